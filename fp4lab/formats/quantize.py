@@ -1,0 +1,366 @@
+"""Block quantization: `quantize` to codes and scales, `QuantizedTensor.dequantize`, `fake_quantize`.
+
+The pipeline, for a `QuantSpec` and a tensor x:
+
+1. optional random Hadamard transform along the quantized axis (x @ diag(signs) H / sqrt(n));
+2. cut x into blocks (1-D along `axis`, 2-D tiles over the last two dims, or the whole
+   tensor), padding a partial last block with zeros, which leaves its amax unchanged;
+3. block amax a and, with a second-level scale, tensor amax A;
+4. block scales from the spec's `ScaleRule` in float32, in the order its `ScaleArithmetic`
+   prescribes, rounded into the scale format;
+5. elements divided (or multiplied by the reciprocal, as the arithmetic says) in the input's
+   working precision (float64 for float64 input, float32 otherwise), rounded into the element
+   format with the spec's rounding, saturating at +-max; then encoded.
+
+Dequantization is (code value * block scale) * tensor scale in float32, then the inverse
+Hadamard transform. NaN or inf in a block: see `ScaleArithmetic` (EXACT gives the block a
+NaN scale, as OCP MX specifies, so the whole block dequantizes to NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fp4lab.formats.float_format import FloatFormat, _pow2
+from fp4lab.formats.interop import pack_codes, to_ml_dtypes, to_torch, unpack_codes
+from fp4lab.formats.registry import get
+from fp4lab.formats.rounding import Rounding, _check_tensor, round_to_format
+from fp4lab.formats.spec import QuantSpec, ScaleArithmetic, ScaleRule
+
+__all__ = ["QuantizedTensor", "quantize", "fake_quantize", "resolve_spec", "hadamard_matrix"]
+
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+def resolve_spec(spec: QuantSpec | str) -> QuantSpec:
+    """A QuantSpec from itself or its registered name."""
+    if isinstance(spec, QuantSpec):
+        return spec
+    if isinstance(spec, str):
+        return get(spec, QuantSpec)
+    raise TypeError(f"spec must be a QuantSpec or a registered name, got {type(spec).__name__}")
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Codes and scales of a block-quantized tensor.
+
+    Attributes:
+        codes: element codes (uint8 for formats of up to 8 bits), with x's shape.
+        scales: float32 block scales. 1-D blocks: x's shape with the quantized axis replaced
+            by the number of blocks; 2-D tiles: x.shape[:-2] + (row tiles, column tiles);
+            per-tensor: a 0-dim tensor.
+        tensor_scale: float32 0-dim per-tensor decode scale, or None.
+        spec: the recipe.
+        axis: the quantized axis (non-negative).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    spec: QuantSpec
+    axis: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def element_values(self) -> torch.Tensor:
+        """The element codes' values in float32 (before scaling)."""
+        return self.spec.element.decode(self.codes)
+
+    def expanded_scales(self) -> torch.Tensor:
+        """The block scale of every element, float32, x's shape."""
+        return _layout(self.spec, self.shape, self.axis).expand(self.scales)
+
+    def packed(self) -> torch.Tensor:
+        """The codes packed densely into bytes (two FP4 codes a byte; see interop)."""
+        return pack_codes(self.codes, self.spec.element.bits)
+
+    @classmethod
+    def from_packed(
+        cls, packed: torch.Tensor, *, shape, scales, tensor_scale, spec: QuantSpec, axis: int
+    ) -> "QuantizedTensor":
+        """Rebuild a QuantizedTensor from `packed()` bytes and its scales."""
+        spec = resolve_spec(spec)
+        codes = unpack_codes(packed, spec.element.bits, tuple(shape), spec.element.code_dtype)
+        return cls(codes, scales, tensor_scale, spec, axis)
+
+    def to_torch(self) -> torch.Tensor:
+        """The element codes as torch's float8 / float4_e2m1fn_x2 dtype (no scales applied)."""
+        return to_torch(self.codes, self.spec.element)
+
+    def to_ml_dtypes(self):
+        """The element codes as a numpy array of ml_dtypes' type (no scales applied)."""
+        return to_ml_dtypes(self.codes, self.spec.element)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(code value * block scale) * tensor scale in float32, inverse Hadamard, to dtype."""
+        out = self.element_values() * self.expanded_scales()
+        if self.tensor_scale is not None:
+            out = out * self.tensor_scale
+        if self.spec.hadamard is not None:
+            work = torch.float64 if dtype == torch.float64 else torch.float32
+            out = _hadamard(out.to(work), self.spec, self.axis, inverse=True)
+        return out.to(dtype)
+
+
+def quantize(
+    x: torch.Tensor,
+    spec: QuantSpec | str,
+    *,
+    axis: int = -1,
+    rounding: Rounding | str | None = None,
+    generator: torch.Generator | int | None = None,
+) -> QuantizedTensor:
+    """Block-quantize x with `spec` (a QuantSpec or a registered name).
+
+    Args:
+        x: floating-point tensor (float16, bfloat16, float32, float64).
+        spec: the block-scaling recipe.
+        axis: the axis 1-D blocks (and the Hadamard transform) run along. 2-D tiles cover the
+            last two dims; axis must then be one of them, and the tile's second extent runs
+            along it. Ignored (but checked) for per-tensor recipes.
+        rounding: element rounding; None uses the spec's.
+        generator: torch.Generator or int seed, required for stochastic rounding.
+    """
+    spec = resolve_spec(spec)
+    _check_tensor(x, "x")
+    axis = _normalize_axis(axis, x.ndim, spec)
+    rounding = spec.rounding if rounding is None else Rounding.parse(rounding)
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xw = x.detach().to(work)
+    if spec.hadamard is not None:
+        xw = _hadamard(xw, spec, axis, inverse=False)
+    layout = _layout(spec, x.shape, axis)
+    blocks = layout.to_blocks(xw)  # (..., blocks, block elements)
+    amax = blocks.abs().amax(dim=-1) if blocks.shape[-1] > 0 else blocks.sum(-1)
+    scales, tensor_scale, scaled = _scale(blocks, amax.float(), spec)
+    values = round_to_format(
+        scaled, spec.element, rounding=rounding, saturate=True, generator=generator,
+        sr_bits=spec.sr_bits,
+    )
+    codes = layout.from_blocks(spec.element.encode(values))
+    return QuantizedTensor(codes, layout.scales_out(scales), tensor_scale, spec, axis)
+
+
+class _FakeQuantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, axis, rounding, generator):
+        q = quantize(x, spec, axis=axis, rounding=rounding, generator=generator)
+        return q.dequantize(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    spec: QuantSpec | str,
+    *,
+    axis: int = -1,
+    rounding: Rounding | str | None = None,
+    generator: torch.Generator | int | None = None,
+) -> torch.Tensor:
+    """quantize then dequantize to x's dtype; the gradient passes straight through."""
+    return _FakeQuantize.apply(x, resolve_spec(spec), axis, rounding, generator)
+
+
+# -- scale arithmetic ---------------------------------------------------------------------------
+def _scale(blocks: torch.Tensor, amax: torch.Tensor, spec: QuantSpec):
+    """Block scales (float32), tensor decode scale (float32 or None), scaled elements."""
+    arith = spec.arithmetic
+    m_e = spec.element.max
+    decode, encode = _tensor_scales(amax, spec)
+    # -- the scale's input: a' for power-of-two rules, t = a'/M_e for the others --
+    if arith is ScaleArithmetic.TE_ENCODE:
+        scaled_amax = amax * encode
+        t = torch.clamp(amax * (encode * (1.0 / torch.tensor(m_e))), max=_FLT_MAX)
+    else:
+        scaled_amax = amax / decode if decode is not None else amax
+        t = (amax / m_e) / decode if arith is ScaleArithmetic.TORCHAO_DECODE and decode is not None else scaled_amax / m_e
+    s = _round_scale(scaled_amax, t, spec)
+    # -- the elements --
+    d = decode if decode is not None else torch.ones((), dtype=torch.float32)
+    if arith is ScaleArithmetic.EXACT:
+        denom = s * d
+        denom = torch.where(denom == 0, torch.inf, denom)  # a zero scale flushes its block
+        scaled = blocks / denom.unsqueeze(-1).to(blocks.dtype)
+    elif arith is ScaleArithmetic.TE_ENCODE:
+        factor = torch.clamp(1.0 / (s * d), max=_FLT_MAX)
+        scaled = blocks * factor.unsqueeze(-1).to(blocks.dtype)
+    else:
+        factor = (1.0 / d) / s if decode is not None else 1.0 / s
+        scaled = blocks * factor.unsqueeze(-1).to(blocks.dtype)
+    return s, decode, scaled
+
+
+def _tensor_scales(amax: torch.Tensor, spec: QuantSpec):
+    """(decode, encode) per-tensor scales in float32; (None, 1) without a tensor scale."""
+    one = torch.ones((), dtype=torch.float32)
+    if not spec.tensor_scale:
+        return None, one
+    big = torch.tensor(spec.scale.max * spec.element.max, dtype=torch.float32)
+    tensor_amax = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32)
+    if spec.arithmetic is ScaleArithmetic.TE_ENCODE:
+        encode = torch.clamp(big / tensor_amax, max=_FLT_MAX)
+        encode = torch.where(encode == 0, one, encode)
+        return 1.0 / encode, encode
+    decode = tensor_amax / big
+    return decode, one / decode
+
+
+def _round_scale(scaled_amax: torch.Tensor, t: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    rule, fmt = spec.scale_rule, spec.scale
+    if rule.power_of_two:
+        raw = _power_of_two_scale(scaled_amax, rule, spec.element, fmt)
+        nonfinite = ~torch.isfinite(scaled_amax)
+    else:
+        raw = t
+        nonfinite = ~torch.isfinite(t) if spec.arithmetic is ScaleArithmetic.EXACT else None
+    if spec.scale_floor is not None:
+        raw = torch.clamp(raw, min=spec.scale_floor)
+    mode = Rounding.AWAY_FROM_ZERO if rule is ScaleRule.RCEIL else Rounding.NEAREST_EVEN
+    s = round_to_format(raw, fmt, rounding=mode, saturate=True).float()
+    if nonfinite is not None:
+        s = torch.where(nonfinite, torch.nan, s)
+    return s
+
+
+def _power_of_two_scale(a: torch.Tensor, rule: ScaleRule, element: FloatFormat, fmt: FloatFormat):
+    """2^E with E from the rule, clamped to the powers of two the scale format holds."""
+    mant, ex = torch.frexp(torch.where(torch.isfinite(a), a, 1.0))  # a = mant * 2^ex
+    e = ex.to(torch.int64) - 1  # floor(log2 a)
+    if rule is ScaleRule.CEIL:
+        e = e + (mant != 0.5).to(torch.int64)
+    elif rule is ScaleRule.EVEN:
+        e = e + (2 * mant >= 2 - 2.0 ** -(element.mbits + 1)).to(torch.int64)
+    lo = int(torch.tensor(fmt.min_subnormal).log2().floor())
+    hi = int(torch.tensor(fmt.max).log2().floor())
+    e = torch.where(a == 0, lo, e - element.emax)
+    return _pow2(torch.clamp(e, lo, hi))
+
+
+# -- layouts ------------------------------------------------------------------------------------
+def _normalize_axis(axis: int, ndim: int, spec: QuantSpec) -> int:
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    if ndim == 0 and spec.block is None:
+        return 0
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis={axis} is out of range for x with {ndim} dims")
+    axis = axis % ndim
+    if spec.block is not None and len(spec.block) == 2:
+        if ndim < 2:
+            raise ValueError(f"spec {spec.name} has 2-D blocks {spec.block}: x needs at least 2 dims, has {ndim}")
+        if axis < ndim - 2:
+            raise ValueError(f"axis={axis}: 2-D blocks cover the last two dims of x, so axis must be one of them")
+    return axis
+
+
+def _layout(spec: QuantSpec, shape: torch.Size, axis: int):
+    if spec.block is None:
+        return _PerTensor(shape)
+    if len(spec.block) == 1:
+        return _Blocks1D(shape, axis, spec.block[0])
+    return _Tiles2D(shape, axis, spec.block)
+
+
+class _PerTensor:
+    def __init__(self, shape):
+        self.shape = shape
+
+    def to_blocks(self, x):
+        return x.reshape(1, -1)
+
+    def from_blocks(self, b):
+        return b.reshape(self.shape)
+
+    def scales_out(self, s):
+        return s.reshape(())
+
+    def expand(self, s):
+        return s.reshape(()).expand(self.shape)
+
+
+class _Blocks1D:
+    def __init__(self, shape, axis, size):
+        self.shape, self.axis, self.size = shape, axis, size
+        self.n = shape[axis] if len(shape) else 1
+        self.nblocks = -(-self.n // size)
+
+    def to_blocks(self, x):
+        x = x.movedim(self.axis, -1)  # (..., n)
+        x = F.pad(x, (0, self.nblocks * self.size - self.n))
+        return x.reshape(*x.shape[:-1], self.nblocks, self.size)  # (..., blocks, size)
+
+    def from_blocks(self, b):
+        b = b.reshape(*b.shape[:-2], self.nblocks * self.size)[..., : self.n]
+        return b.movedim(-1, self.axis)
+
+    def scales_out(self, s):
+        return s.movedim(-1, self.axis)
+
+    def expand(self, s):
+        s = s.movedim(self.axis, -1).repeat_interleave(self.size, dim=-1)[..., : self.n]
+        return s.movedim(-1, self.axis)
+
+
+class _Tiles2D:
+    """Tiles (r, c) over the last two dims; with axis = ndim - 2 the tile is transposed."""
+
+    def __init__(self, shape, axis, block):
+        self.shape = shape
+        self.transposed = axis == len(shape) - 2
+        self.r, self.c = block
+        rows, cols = shape[-2:] if not self.transposed else (shape[-1], shape[-2])
+        self.rows, self.cols = rows, cols
+        self.nr, self.nc = -(-rows // self.r), -(-cols // self.c)
+
+    def _orient(self, x):
+        return x.transpose(-1, -2) if self.transposed else x
+
+    def to_blocks(self, x):
+        x = self._orient(x)
+        x = F.pad(x, (0, self.nc * self.c - self.cols, 0, self.nr * self.r - self.rows))
+        x = x.reshape(*x.shape[:-2], self.nr, self.r, self.nc, self.c).transpose(-3, -2)
+        return x.reshape(*x.shape[:-4], self.nr, self.nc, self.r * self.c)  # (..., nr, nc, r*c)
+
+    def from_blocks(self, b):
+        b = b.reshape(*b.shape[:-3], self.nr, self.nc, self.r, self.c).transpose(-3, -2)
+        b = b.reshape(*b.shape[:-4], self.nr * self.r, self.nc * self.c)
+        return self._orient(b[..., : self.rows, : self.cols])
+
+    def scales_out(self, s):
+        return self._orient(s)
+
+    def expand(self, s):
+        s = self._orient(s).repeat_interleave(self.r, dim=-2).repeat_interleave(self.c, dim=-1)
+        return self._orient(s[..., : self.rows, : self.cols])
+
+
+# -- random Hadamard transform -------------------------------------------------------------------
+def hadamard_matrix(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """diag(signs) H_n / sqrt(n): Sylvester's H_n with random signs from `seed` (orthogonal)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    gen = torch.Generator().manual_seed(seed)
+    signs = 1.0 - 2.0 * torch.randint(0, 2, (n,), generator=gen).to(torch.float64)
+    return (signs[:, None] * h / n**0.5).to(dtype)
+
+
+def _hadamard(x: torch.Tensor, spec: QuantSpec, axis: int, *, inverse: bool) -> torch.Tensor:
+    n = spec.hadamard
+    if x.shape[axis] % n:
+        raise ValueError(
+            f"x.shape[{axis}] = {x.shape[axis]} is not a multiple of the spec's Hadamard size {n}"
+        )
+    h = hadamard_matrix(n, spec.hadamard_seed, x.dtype)
+    t = x.movedim(axis, -1)
+    t = t.reshape(*t.shape[:-1], -1, n) @ (h.T if inverse else h)  # (..., n_axis / n, n)
+    return t.reshape(*t.shape[:-2], -1).movedim(-1, axis)
