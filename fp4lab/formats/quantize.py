@@ -128,6 +128,13 @@ def quantize(
         generator: torch.Generator or int seed, required for stochastic rounding.
     """
     spec = resolve_spec(spec)
+    layout, values, scales, tensor_scale = _quantize_blocks(x, spec, axis, rounding, generator)
+    codes = layout.from_blocks(spec.element.encode(values))
+    return QuantizedTensor(codes, layout.scales_out(scales), tensor_scale, spec, layout.axis)
+
+
+def _quantize_blocks(x, spec: QuantSpec, axis, rounding, generator):
+    """Steps 1-5 of the pipeline: (layout, element values in blocks, block scales, tensor scale)."""
     _check_tensor(x, "x")
     axis = _normalize_axis(axis, x.ndim, spec)
     rounding = spec.rounding if rounding is None else Rounding.parse(rounding)
@@ -143,15 +150,26 @@ def quantize(
         scaled, spec.element, rounding=rounding, saturate=True, generator=generator,
         sr_bits=spec.sr_bits,
     )
-    codes = layout.from_blocks(spec.element.encode(values))
-    return QuantizedTensor(codes, layout.scales_out(scales), tensor_scale, spec, axis)
+    return layout, values, scales, tensor_scale
+
+
+def _fake_quantize(x, spec: QuantSpec, axis, rounding, generator) -> torch.Tensor:
+    """quantize(...).dequantize(x.dtype) without building codes: the same float32 products."""
+    layout, values, scales, tensor_scale = _quantize_blocks(x, spec, axis, rounding, generator)
+    out = values.float() * scales.unsqueeze(-1)
+    if tensor_scale is not None:
+        out = out * tensor_scale
+    out = layout.from_blocks(out)
+    if spec.hadamard is not None:
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        out = _hadamard(out.to(work), spec, layout.axis, inverse=True)
+    return out.to(x.dtype)
 
 
 class _FakeQuantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, axis, rounding, generator):
-        q = quantize(x, spec, axis=axis, rounding=rounding, generator=generator)
-        return q.dequantize(x.dtype)
+        return _fake_quantize(x, spec, axis, rounding, generator)
 
     @staticmethod
     def backward(ctx, grad):
@@ -264,15 +282,15 @@ def _normalize_axis(axis: int, ndim: int, spec: QuantSpec) -> int:
 
 def _layout(spec: QuantSpec, shape: torch.Size, axis: int):
     if spec.block is None:
-        return _PerTensor(shape)
+        return _PerTensor(shape, axis)
     if len(spec.block) == 1:
         return _Blocks1D(shape, axis, spec.block[0])
     return _Tiles2D(shape, axis, spec.block)
 
 
 class _PerTensor:
-    def __init__(self, shape):
-        self.shape = shape
+    def __init__(self, shape, axis):
+        self.shape, self.axis = shape, axis
 
     def to_blocks(self, x):
         return x.reshape(1, -1)
@@ -314,7 +332,7 @@ class _Tiles2D:
     """Tiles (r, c) over the last two dims; with axis = ndim - 2 the tile is transposed."""
 
     def __init__(self, shape, axis, block):
-        self.shape = shape
+        self.shape, self.axis = shape, axis
         self.transposed = axis == len(shape) - 2
         self.r, self.c = block
         rows, cols = shape[-2:] if not self.transposed else (shape[-1], shape[-2])
