@@ -144,7 +144,7 @@ def _quantize_blocks(x, spec: QuantSpec, axis, rounding, generator):
         xw = _hadamard(xw, spec, axis, inverse=False)
     layout = _layout(spec, x.shape, axis)
     blocks = layout.to_blocks(xw)  # (..., blocks, block elements)
-    amax = blocks.abs().amax(dim=-1) if blocks.shape[-1] > 0 else blocks.sum(-1)
+    amax = _block_amax(blocks)
     scales, tensor_scale, scaled = _scale(blocks, amax.float(), spec)
     values = round_to_format(
         scaled, spec.element, rounding=rounding, saturate=True, generator=generator,
@@ -153,12 +153,20 @@ def _quantize_blocks(x, spec: QuantSpec, axis, rounding, generator):
     return layout, values, scales, tensor_scale
 
 
+def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last dim in one pass (NaN propagates); 0 for empty blocks."""
+    if blocks.shape[-1] == 0 or blocks.numel() == 0:
+        return blocks.new_zeros(blocks.shape[:-1])
+    low, high = torch.aminmax(blocks, dim=-1)
+    return torch.maximum(high, -low)
+
+
 def _fake_quantize(x, spec: QuantSpec, axis, rounding, generator) -> torch.Tensor:
     """quantize(...).dequantize(x.dtype) without building codes: the same float32 products."""
     layout, values, scales, tensor_scale = _quantize_blocks(x, spec, axis, rounding, generator)
-    out = values.float() * scales.unsqueeze(-1)
+    out = values.float().mul_(scales.unsqueeze(-1))  # values is ours: in place
     if tensor_scale is not None:
-        out = out * tensor_scale
+        out.mul_(tensor_scale)
     out = layout.from_blocks(out)
     if spec.hadamard is not None:
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -313,7 +321,8 @@ class _Blocks1D:
 
     def to_blocks(self, x):
         x = x.movedim(self.axis, -1)  # (..., n)
-        x = F.pad(x, (0, self.nblocks * self.size - self.n))
+        if self.nblocks * self.size != self.n:
+            x = F.pad(x, (0, self.nblocks * self.size - self.n))
         return x.reshape(*x.shape[:-1], self.nblocks, self.size)  # (..., blocks, size)
 
     def from_blocks(self, b):

@@ -135,24 +135,23 @@ def _fast_path_applies(x, fmt: FloatFormat, rounding: Rounding, saturate: bool) 
         and fmt.emin - fmt.mbits >= -126
         and fmt.emax + 1 - fmt.mbits <= 126
         and fmt.mbits <= 22
-        and fmt.mbits - fmt.emin <= 127
+        and fmt.emin <= fmt.mbits
     )
 
 
 def _round_float32(x: torch.Tensor, fmt: FloatFormat, rounding: Rounding) -> torch.Tensor:
-    """The same rounding as the float64 path on float32 bits, for speed: the exponent field
-    is clamped to [emin, emax + 1], 2^-q and 2^q are built from bits, and the signed value is
-    scaled, rounded (RNE and truncation are symmetric in the sign) and scaled back, all
-    exactly in float32; saturation is a clamp, which keeps NaN."""
-    field = (x.view(torch.int32) >> 23) & 0xFF  # biased exponent of |x|
-    field = torch.clamp(field, fmt.emin + 127, fmt.emax + 128)
-    up = ((fmt.mbits + 254 - field) << 23).view(torch.float32)  # 2^-q, q = e - mbits
-    down = ((field - fmt.mbits) << 23).view(torch.float32)  # 2^q
-    y = x * up
-    r = torch.round(y) if rounding is Rounding.NEAREST_EVEN else torch.trunc(y)
-    out = torch.clamp(r * down, -fmt.max, fmt.max)
+    """The same rounding as the float64 path, on float32, for speed. Masking x's bits down to
+    its exponent field gives 2^e as a float (0 for subnormals, inf for inf/NaN); clamping that
+    to [2^emin, 2^(emax+1)] and scaling by 2^-mbits gives the quantum 2^q. Dividing by it,
+    rounding (RNE and truncation are symmetric in the sign) and multiplying back are exact
+    in float32; saturation is a clamp, which keeps NaN."""
+    quantum = (x.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^e of |x|
+    quantum.clamp_(2.0**fmt.emin, 2.0 ** (fmt.emax + 1)).mul_(2.0**-fmt.mbits)
+    out = torch.div(x, quantum)  # in-place from here: fresh large tensors cost page faults
+    out.round_() if rounding is Rounding.NEAREST_EVEN else out.trunc_()
+    out.mul_(quantum).clamp_(-fmt.max, fmt.max)
     if fmt.specials is Specials.FNUZ:
-        out = out + 0.0  # -0 + 0 = +0: FNUZ has no negative zero
+        out.add_(0.0)  # -0 + 0 = +0: FNUZ has no negative zero
     return out
 
 

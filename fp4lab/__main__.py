@@ -1,0 +1,5 @@
+"""``python -m fp4lab``: the command line."""
+
+from fp4lab.cli import main
+
+raise SystemExit(main())
