@@ -371,14 +371,17 @@ class _Tiles2D:
 
 
 # -- random Hadamard transform -------------------------------------------------------------------
-def hadamard_matrix(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """diag(signs) H_n / sqrt(n): Sylvester's H_n with random signs from `seed` (orthogonal)."""
+def hadamard_matrix(
+    n: int, seed: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """diag(signs) H_n / sqrt(n): Sylvester's H_n with random signs from `seed` (orthogonal).
+    The signs come from a CPU generator, so they are the same on every device."""
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     gen = torch.Generator().manual_seed(seed)
     signs = 1.0 - 2.0 * torch.randint(0, 2, (n,), generator=gen).to(torch.float64)
-    return (signs[:, None] * h / n**0.5).to(dtype)
+    return (signs[:, None] * h / n**0.5).to(dtype=dtype, device=device)
 
 
 def _hadamard(x: torch.Tensor, spec: QuantSpec, axis: int, *, inverse: bool) -> torch.Tensor:
@@ -387,7 +390,7 @@ def _hadamard(x: torch.Tensor, spec: QuantSpec, axis: int, *, inverse: bool) -> 
         raise ValueError(
             f"x.shape[{axis}] = {x.shape[axis]} is not a multiple of the spec's Hadamard size {n}"
         )
-    h = hadamard_matrix(n, spec.hadamard_seed, x.dtype)
+    h = hadamard_matrix(n, spec.hadamard_seed, x.dtype, x.device)
     t = x.movedim(axis, -1)
     t = t.reshape(*t.shape[:-1], -1, n) @ (h.T if inverse else h)  # (..., n_axis / n, n)
     return t.reshape(*t.shape[:-2], -1).movedim(-1, axis)

@@ -395,3 +395,19 @@ def test_bad_specs_name_the_field(kwargs, message):
     base = dict(name="bad", element=F.FP4_E2M1, scale=F.UE8M0, block=(32,), scale_rule=ScaleRule.OCP_FLOOR)
     with pytest.raises((ValueError, TypeError), match=message):
         QuantSpec(**{**base, **kwargs})
+
+
+# -- devices ----------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rounding", ["nearest_even", "stochastic"])
+@pytest.mark.parametrize("preset", PRESETS + ["mxfp4_rht"])
+def test_cuda_gives_the_cpu_bits(preset, rounding):
+    """The reference runs on any device with the same bits (stochastic draws come from a CPU
+    generator, so a seed means the same numbers everywhere)."""
+    spec = dataclasses.replace(F.get("mxfp4"), name="mxfp4_rht", hadamard=32) if preset == "mxfp4_rht" else preset
+    x = spread((32, 256), seed=7, low=-8, high=8)
+    cpu = quantize(x, spec, rounding=rounding, generator=3)
+    gpu = quantize(x.cuda(), spec, rounding=rounding, generator=3)
+    assert torch.equal(gpu.codes.cpu(), cpu.codes)
+    assert torch.equal(gpu.scales.cpu().nan_to_num(-1.0), cpu.scales.nan_to_num(-1.0))
+    assert_same_bits(fake_quantize(x.cuda(), spec, rounding=rounding, generator=3).cpu(), cpu.dequantize(), x, preset)
