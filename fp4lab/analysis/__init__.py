@@ -1,0 +1,13 @@
+"""The simulation path: attention with quantized operands, its recipes and its trace."""
+
+from fp4lab.analysis.recipe import (
+    AttentionRecipe, BackwardMode, BackwardP, DeltaSource, PQuant, Product, RowSum,
+    resolve_recipe,
+)
+from fp4lab.analysis.trace import Trace
+from fp4lab.analysis.attention import attention, patch_sdpa, quantize_operand
+
+__all__ = [
+    "AttentionRecipe", "BackwardMode", "BackwardP", "DeltaSource", "PQuant", "Product",
+    "RowSum", "resolve_recipe", "Trace", "attention", "patch_sdpa", "quantize_operand",
+]

@@ -1,0 +1,909 @@
+"""Attention with every operand of its six products quantized: the simulation path.
+
+What. `attention(q, k, v, recipe)` computes scaled dot-product attention the way a
+FlashAttention kernel does, in plain torch, with each operand of S = Q K^T, O = P V and of the
+backward's dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q quantized as an
+`AttentionRecipe` says, and it can record what quantization did, tile by tile (`Trace`).
+It is an autograd Function, so it drops into a model in place of
+`F.scaled_dot_product_attention` (and `patch_sdpa` does exactly that without editing the
+model).
+
+Why a tiled simulation. The numbers a low-precision attention kernel produces depend on its
+tiling: P tiles are exp(S - m) with m the running row maximum of the online softmax, so a
+tile's values, and therefore what quantization flushes or clips, depend on the tiles before
+it; block scales of P and dS are chosen per tile; the backward rebuilds P from the forward's
+log-sum-exp. A dense reference would miss all of that. Here the forward is FlashAttention-2's
+Algorithm 1 and the backward its Algorithm 2 (Dao 2023, arXiv 2307.08691), vectorised over
+batch, heads and query tiles and looping over key tiles, so memory grows with seq x block_n.
+
+How it differs from a kernel. Arithmetic runs in the working precision (float64 for float64
+inputs, float32 otherwise) with torch's matmul, so accumulation order is not the kernel's;
+Q, K, V and dO are quantized once as whole tensors (as a kernel receives them), P and dS
+tile by tile. See `AttentionRecipe` for the per-operand rules and `Trace` for what is
+measured.
+
+Caveats. Quantized operands that a real kernel would keep as codes are kept dequantized
+(values exact, storage not); NaN spreads as far as the recipe's blocks carry it (a NaN
+in one element of a block-scaled operand poisons its block, and with a per-tile tensor scale
+its whole tile), while with unquantized operands it reaches exactly the rows that SDPA's
+reaches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fp4lab.analysis.recipe import (
+    AttentionRecipe, BackwardMode, BackwardP, DeltaSource, PQuant, Product, RowSum,
+    resolve_recipe,
+)
+from fp4lab.analysis.trace import Trace, TraceCall, operand_stats, prefix, product_stats
+from fp4lab.formats import (
+    FloatFormat, QuantSpec, ScaleArithmetic, as_generator, hadamard_matrix, round_to_format,
+)
+from fp4lab.formats.quantize import _FLT_MAX, _hadamard, _layout, _round_scale
+
+__all__ = ["attention", "patch_sdpa", "quantize_operand"]
+
+# Elements of one (batch, heads, query tiles, block_m, block_n) tile tensor processed at a
+# time; query tiles are taken in chunks of at most this size (memory ~ 10x this in floats).
+_CHUNK_ELEMENTS = 1 << 20
+_LOG2E = math.log2(math.e)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    recipe: AttentionRecipe | str = "exact",
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    trace: Trace | None = None,
+    generator: torch.Generator | int | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention, FlashAttention-style, with quantized operands.
+
+    softmax(scale * Q K^T + mask) V for q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv),
+    returning (B, H, Sq, Dv) in q's dtype, like `F.scaled_dot_product_attention`, with a
+    backward. H must be a multiple of Hkv: query head h uses key/value head h // (H / Hkv)
+    (grouped-query attention, SDPA's ``enable_gqa=True`` layout).
+
+    Args:
+        q, k, v: floating-point tensors of one dtype and device. float64 inputs are computed
+            in float64, everything else in float32 (and returned in its own dtype).
+        recipe: an `AttentionRecipe`, or a registered name: a preset ("exact", "bf16",
+            "fp8_per_tensor", "fa3_fp8", "sageattn3", "attn_qat_dropin", "attn_qat",
+            "fa4fp4_directp", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv", "croissattn"), a
+            user's registered recipe, or a format or QuantSpec name meaning that format on
+            every operand ("nvfp4").
+        causal: mask aligned top-left, exactly as SDPA's ``is_causal``: query i sees keys
+            j <= i, whatever Sq and Sk are.
+        scale: softmax scale; 1 / sqrt(D) by default.
+        trace: a `Trace` to record per-tile statistics into (forward now, backward when it
+            runs).
+        generator: torch.Generator or int seed for stochastic rounding; required when the
+            recipe rounds stochastically, and recorded in the trace. The backward draws from
+            the same generator after the forward.
+        block_m, block_n: query and key tile sizes (positive; multiples of the blocks of the
+            operands quantized along the query and key sequences).
+        attn_mask: optional mask broadcastable to (B, H, Sq, Sk), boolean (True takes part)
+            or additive float, as SDPA's.
+
+    Algorithm, per query tile i and key tile j (FlashAttention-2, Algorithm 1):
+        S = scale * Q^_i K^_j^T (+ mask);  m' = max(m, rowmax S);  P = exp(S - m')
+        P^ = quantized P (recipe.p_quant);  l = e^(m - m') l + rowsum(P or P^)
+        acc = e^(m - m') acc + P^ V^_j;  finally O = acc / l, lse = m + log l.
+    The backward (Algorithm 2) rebuilds P = exp(S - lse) from the quantized or unquantized
+    Q, K (recipe.backward_p), D = rowsum(dO * O) (recipe.delta), and runs dV = P^T dO,
+    dP = dO V^T, dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q with the operands the
+    recipe names (recipe.backward).
+
+    Fully masked rows (a boolean mask excluding every key of a row, or Sk = 0) give an
+    output row of zeros and zero gradients, as SDPA's CPU and flash kernels do. NaN in q, k
+    or v reaches the rows that attend to it, and, through block scales, the rows sharing a
+    quantization block with it.
+
+    Raises:
+        TypeError: q, k, v not floating-point tensors of one dtype; a bad recipe type.
+        ValueError: shapes that do not agree, different devices, an unknown recipe, a
+            head_dim or tile size the recipe's blocks cannot tile, a missing generator.
+    """
+    recipe = resolve_recipe(recipe)
+    _check_inputs(q, k, v, attn_mask)
+    _check_tiling(recipe, q.shape[-1], v.shape[-1], block_m, block_n)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    gen = _generator(recipe, generator, q.device)
+    q, k = _transform_qk(q, k, recipe)
+    config = _Config(
+        recipe=recipe, causal=bool(causal), scale=float(scale), block_m=block_m,
+        block_n=block_n, generator=gen, trace=trace, attn_mask=attn_mask,
+    )
+    return _Attention.apply(q, k, v, config)
+
+
+@contextlib.contextmanager
+def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **options):
+    """Route `torch.nn.functional.scaled_dot_product_attention` through `attention`.
+
+    Inside the ``with`` block every SDPA call (its query, key, value, attn_mask, is_causal,
+    scale and enable_gqa) runs `attention` with `recipe`, recording into `trace`; `options`
+    (generator, block_m, block_n) are passed on. 3-D inputs (N, L, E) are treated as one
+    head. dropout_p > 0 raises ValueError: the simulation has no dropout.
+    """
+    recipe = resolve_recipe(recipe)
+    original = F.scaled_dot_product_attention
+
+    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p:
+            raise ValueError(f"dropout_p={dropout_p}: fp4lab's attention has no dropout; set it to 0")
+        if query.shape[-3] != key.shape[-3] and query.ndim == 4 and not enable_gqa:
+            raise ValueError("query and key have different head counts; SDPA needs enable_gqa=True for that")
+        squeeze = query.ndim == 3
+        if squeeze:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            attn_mask = attn_mask.unsqueeze(1) if attn_mask is not None and attn_mask.ndim == 3 else attn_mask
+        out = attention(
+            query, key, value, recipe, causal=is_causal, scale=scale, trace=trace,
+            attn_mask=attn_mask, **options,
+        )
+        return out.squeeze(1) if squeeze else out
+
+    F.scaled_dot_product_attention = routed
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+# -- input checks -----------------------------------------------------------------------------
+def _check_inputs(q, k, v, attn_mask) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(x.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in (batch, heads, seq), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of k's heads ({k.shape[1]})")
+    if attn_mask is not None:
+        _check_mask(attn_mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
+
+
+def _check_mask(mask, shape, device) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(f"attn_mask must be boolean or floating point, got {mask.dtype}")
+    if mask.device != device:
+        raise ValueError(f"attn_mask must be on q's device {device}, got {mask.device}")
+    try:
+        torch.broadcast_shapes(mask.shape, shape)
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {shape}") from None
+    if mask.ndim > 4 or (mask.ndim == 4 and mask.shape[1] not in (1, shape[1])):
+        raise ValueError(f"attn_mask must broadcast to (B, H, Sq, Sk) = {shape}, got {tuple(mask.shape)}")
+
+
+# Each operand field: (axis its 1-D blocks run along in its tensor, what that axis spans,
+# what a 2-D tile's rows span, what its columns span). Q, K, V, dO are whole tensors
+# (B, H, seq, dim); P and dS are tiles (..., block_m, block_n).
+_LAYOUT = {
+    "q": (-1, "head_dim", "seq", "head_dim"),
+    "k": (-1, "head_dim", "seq", "head_dim"),
+    "p": (-1, "block_n", "block_m", "block_n"),
+    "v": (-2, "seq", "seq", "v_dim"),
+    "dv_p": (-2, "block_m", "block_m", "block_n"),
+    "dv_do": (-2, "seq", "seq", "v_dim"),
+    "dp_do": (-1, "v_dim", "seq", "v_dim"),
+    "dp_v": (-1, "v_dim", "seq", "v_dim"),
+    "dq_ds": (-1, "block_n", "block_m", "block_n"),
+    "dq_k": (-2, "seq", "seq", "head_dim"),
+    "dk_ds": (-2, "block_m", "block_m", "block_n"),
+    "dk_q": (-2, "seq", "seq", "head_dim"),
+}
+
+
+def _check_tiling(recipe: AttentionRecipe, d: int, dv: int, block_m: int, block_n: int) -> None:
+    """Blocks must tile head_dim (or cover it whole) and, for P and dS, the tiles."""
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if recipe.incoherent_processing and (d & (d - 1) or d < 2):
+        raise ValueError(
+            f"head_dim={d}: recipe {recipe.name!r} rotates Q and K by a Hadamard matrix, "
+            "which needs a power of two"
+        )
+    sizes = {"head_dim": d, "v_dim": dv, "block_m": block_m, "block_n": block_n, "seq": None}
+    for field, (_, along, rows, cols) in _LAYOUT.items():
+        spec = getattr(recipe, field)
+        if not isinstance(spec, QuantSpec) or spec.block is None:
+            continue
+        pairs = [(spec.block[0], along)] if len(spec.block) == 1 else [(spec.block[0], rows), (spec.block[1], cols)]
+        for block, what in pairs:
+            _check_divides(recipe, field, block, what, sizes[what])
+
+
+def _check_divides(recipe, field, block, what, size) -> None:
+    if size is None or size % block == 0:
+        return  # a whole tensor along its sequence is padded, as fake_quantize pads it
+    if what in ("head_dim", "v_dim") and block >= size:
+        return  # one block covers the whole dimension (zero padding keeps its amax)
+    raise ValueError(
+        f"{what}={size} is not a multiple of {block}, the block size of operand {field!r} of "
+        f"recipe {recipe.name!r}: its blocks cannot tile it"
+    )
+
+
+def _generator(recipe: AttentionRecipe, generator, device) -> torch.Generator | None:
+    gen = as_generator(generator, device)
+    if recipe.stochastic and gen is None:
+        raise ValueError(
+            f"generator: recipe {recipe.name!r} rounds stochastically; pass a torch.Generator "
+            "or an int seed (fp4lab never draws from torch's global random state)"
+        )
+    return gen
+
+
+def _transform_qk(q, k, recipe: AttentionRecipe):
+    """Softmax-invariant rewrites applied before the kernel (differentiable torch ops)."""
+    if recipe.incoherent_processing:  # FlashAttention-3, Sec. 3.3: (Q H)(K H)^T = Q K^T
+        h = hadamard_matrix(q.shape[-1], recipe.incoherent_seed, torch.float64).to(q.device)
+        q, k = (q.to(torch.float64) @ h).to(q.dtype), (k.to(torch.float64) @ h).to(k.dtype)
+    if recipe.smooth_k:  # SageAttention: each row of S shifts by q_i . mean(K)
+        k = k - k.mean(dim=-2, keepdim=True)
+    return q, k
+
+
+@dataclass(frozen=True)
+class _Config:
+    recipe: AttentionRecipe
+    causal: bool
+    scale: float
+    block_m: int
+    block_n: int
+    generator: torch.Generator | None
+    trace: Trace | None
+    attn_mask: torch.Tensor | None
+
+
+# -- operand quantization ----------------------------------------------------------------------
+def _is_2d(spec) -> bool:
+    return isinstance(spec, QuantSpec) and spec.block is not None and len(spec.block) == 2
+
+
+@dataclass
+class _Quantized:
+    """An operand after quantization and, when asked, where it clipped or its scales ran out:
+    flags = (clipped, scale_underflow, scale_overflow), boolean tensors of its shape (the last
+    two None for operands without block scales)."""
+
+    values: torch.Tensor
+    flags: tuple | None = None
+
+
+def quantize_operand(
+    x: torch.Tensor,
+    spec: QuantSpec | FloatFormat | None,
+    *,
+    axis: int,
+    generator: torch.Generator | None = None,
+    per_tile: bool = False,
+    prescale: float = 1.0,
+    flags: bool = False,
+) -> _Quantized:
+    """Quantize one operand as attention does: `fake_quantize(x * prescale, spec) / prescale`.
+
+    A FloatFormat is an element-wise cast (round to nearest even, saturating); None leaves
+    x as it is; 2-D tiles lie on x's last two dims as they are (axis ignored). With
+    `per_tile`, x is a batch of tiles (its last two dims) and a per-tensor scale (a spec with
+    `block=None` or `tensor_scale=True`) is taken per tile, as a fused kernel must; otherwise
+    over the whole of x. The arithmetic is fp4lab.formats' quantize pipeline, step for step.
+    """
+    if spec is None:
+        return _Quantized(x, None)
+    xs = x * prescale if prescale != 1.0 else x
+    if isinstance(spec, FloatFormat):
+        values = round_to_format(xs, spec)
+        found = (xs.abs() > spec.max, None, None) if flags else None
+    else:
+        values, found = _block_quantize(xs, spec, axis, generator, per_tile, flags)
+    if prescale != 1.0:
+        values = values / prescale
+    return _Quantized(values, found)
+
+
+def _block_quantize(x, spec: QuantSpec, axis: int, generator, per_tile: bool, want_flags: bool):
+    """Steps 1-5 of fp4lab.formats.quantize and its dequantization (float32 products), with
+    the second-level scale's amax over the whole tensor or, with per_tile, over each tile."""
+    if _is_2d(spec):
+        axis = -1  # 2-D tiles lie on the natural layout
+    elif spec.block is None and per_tile:
+        if spec.hadamard is not None:
+            raise ValueError(f"spec {spec.name!r}: a per-tile scale does not combine with a Hadamard transform")
+        spec, axis = dataclasses.replace(spec, block=tuple(x.shape[-2:])), -1  # one block per tile
+    axis %= x.ndim
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xw = x.to(work)
+    if spec.hadamard is not None:
+        xw = _hadamard(xw, spec, axis, inverse=False)
+    layout = _layout(spec, x.shape, axis)
+    blocks = layout.to_blocks(xw)  # (..., n1, n2, block elements); a tile is (n1, n2)
+    amax = (blocks.abs().amax(dim=-1) if blocks.shape[-1] else blocks.sum(-1)).float()
+    if per_tile:
+        tensor_amax = amax.amax(dim=(-2, -1), keepdim=True)
+    else:
+        tensor_amax = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32)
+    scales, decode, scaled = _scale(blocks, amax, tensor_amax, spec)
+    values = round_to_format(
+        scaled, spec.element, rounding=spec.rounding, saturate=True, generator=generator,
+        sr_bits=spec.sr_bits,
+    )
+    out = values.float() * scales.unsqueeze(-1)
+    if decode is not None:
+        out = out * decode.unsqueeze(-1)
+    out = layout.from_blocks(out)
+    if spec.hadamard is not None:
+        out = _hadamard(out.to(work), spec, layout.axis, inverse=True)
+    found = _flags(blocks, amax, scales, decode, spec, layout) if want_flags else None
+    return out.to(x.dtype), found
+
+
+def _scale(blocks, amax, tensor_amax, spec: QuantSpec):
+    """fp4lab.formats.quantize._scale, with the tensor amax passed in (whole or per tile)."""
+    arith, m_e = spec.arithmetic, spec.element.max
+    decode, encode = _tensor_scales(tensor_amax, spec)
+    if arith is ScaleArithmetic.TE_ENCODE:
+        scaled_amax = amax * encode
+        t = torch.clamp(amax * (encode * (1.0 / torch.tensor(m_e))), max=_FLT_MAX)
+    else:
+        scaled_amax = amax / decode if decode is not None else amax
+        torchao = arith is ScaleArithmetic.TORCHAO_DECODE and decode is not None
+        t = (amax / m_e) / decode if torchao else scaled_amax / m_e
+    s = _round_scale(scaled_amax, t, spec)
+    d = decode if decode is not None else torch.ones((), dtype=torch.float32)
+    if arith is ScaleArithmetic.EXACT:
+        denom = s * d
+        denom = torch.where(denom == 0, torch.inf, denom)  # a zero scale flushes its block
+        return s, decode, blocks / denom.unsqueeze(-1).to(blocks.dtype)
+    if arith is ScaleArithmetic.TE_ENCODE:
+        factor = torch.clamp(1.0 / (s * d), max=_FLT_MAX)
+    else:
+        factor = (1.0 / d) / s if decode is not None else 1.0 / s
+    return s, decode, blocks * factor.unsqueeze(-1).to(blocks.dtype)
+
+
+def _tensor_scales(tensor_amax, spec: QuantSpec):
+    """fp4lab.formats.quantize._tensor_scales for a given tensor amax: (decode, encode)."""
+    one = torch.ones((), dtype=torch.float32)
+    if not spec.tensor_scale:
+        return None, one
+    big = torch.tensor(spec.scale.max * spec.element.max, dtype=torch.float32)
+    if spec.arithmetic is ScaleArithmetic.TE_ENCODE:
+        encode = torch.clamp(big / tensor_amax, max=_FLT_MAX)
+        encode = torch.where(encode == 0, one, encode)
+        return 1.0 / encode, encode
+    decode = tensor_amax / big
+    return decode, one / decode
+
+
+def _flags(blocks, amax, scales, decode, spec: QuantSpec, layout):
+    """(clipped, scale_underflow, scale_overflow) as boolean tensors of x's shape."""
+    d = decode if decode is not None else torch.ones((), dtype=torch.float32)
+    top = spec.element.max * scales * d  # the largest magnitude each block can represent
+    clipped = blocks.abs() > top.unsqueeze(-1).to(blocks.dtype)
+    ideal = amax / (spec.element.max * d)
+    under = (amax > 0) & (ideal < spec.scale.min_subnormal)
+    over = ideal > spec.scale.max
+    expand = lambda f: layout.from_blocks(f.unsqueeze(-1).expand(blocks.shape))  # noqa: E731
+    return layout.from_blocks(clipped), expand(under), expand(over)
+
+
+# -- tiling -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Tiling:
+    """Shapes and tiles. Query-side tensors are kept as (B, Hkv, G, nQ, block_m, E), query
+    head h = kv_head * G + g; key-side tensors as (B, Hkv, nK, block_n, E)."""
+
+    B: int
+    H: int
+    Hk: int
+    Sq: int
+    Sk: int
+    bm: int
+    bn: int
+    causal: bool
+
+    @property
+    def G(self) -> int:
+        return self.H // self.Hk
+
+    @property
+    def nQ(self) -> int:
+        return -(-self.Sq // self.bm)
+
+    @property
+    def nK(self) -> int:
+        return -(-self.Sk // self.bn)
+
+    def q_tiles(self, x):  # (B, H, Sq, ...) -> (B, Hkv, G, nQ, bm, ...)
+        pad = [0, 0] * (x.ndim - 3) + [0, self.nQ * self.bm - self.Sq]
+        x = F.pad(x, pad)
+        return x.reshape(self.B, self.Hk, self.G, self.nQ, self.bm, *x.shape[3:])
+
+    def q_untile(self, t):  # (B, Hkv, G, nQ, bm, ...) -> (B, H, Sq, ...)
+        return t.reshape(self.B, self.H, self.nQ * self.bm, *t.shape[5:])[:, :, : self.Sq]
+
+    def k_tiles(self, x):  # (B, Hkv, Sk, E) -> (B, Hkv, nK, bn, E)
+        x = F.pad(x, (0, 0, 0, self.nK * self.bn - self.Sk))
+        return x.reshape(self.B, self.Hk, self.nK, self.bn, x.shape[-1])
+
+    def k_untile(self, t):  # (B, Hkv, nK, bn, E) -> (B, Hkv, Sk, E)
+        return t.reshape(self.B, self.Hk, self.nK * self.bn, t.shape[-1])[:, :, : self.Sk]
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """Query-tile ranges [i0, i1) whose tile tensors hold at most _CHUNK_ELEMENTS."""
+        per_tile = self.B * self.H * self.bm * self.bn
+        step = max(1, _CHUNK_ELEMENTS // max(per_tile, 1))
+        return [(i, min(i + step, self.nQ)) for i in range(0, self.nQ, step)]
+
+    def key_tiles(self, i0: int, i1: int) -> range:
+        """Key tiles any query of tiles [i0, i1) can see."""
+        if not self.causal:
+            return range(self.nK)
+        last_row = min(i1 * self.bm, self.Sq) - 1
+        return range(min(self.nK, last_row // self.bn + 1))
+
+    def first_q_tile(self, j: int, i0: int) -> int:
+        """First query tile (>= i0) with a row that can see key tile j."""
+        return max(i0, (j * self.bn) // self.bm) if self.causal else i0
+
+    def valid(self, i0: int, i1: int, j: int, device) -> torch.Tensor:
+        """(i1 - i0, bm, bn) bool: in range, and not masked by causality."""
+        rows = torch.arange(i0 * self.bm, i1 * self.bm, device=device).view(i1 - i0, self.bm, 1)
+        cols = torch.arange(j * self.bn, (j + 1) * self.bn, device=device).view(1, 1, self.bn)
+        ok = (rows < self.Sq) & (cols < self.Sk)
+        return ok & (cols <= rows) if self.causal else ok
+
+
+class _MaskTiles:
+    """attn_mask as tiles: (B|1, Hkv|1, G|1, nQ, bm, nK, bn), padded with 'masked'."""
+
+    def __init__(self, mask: torch.Tensor, t: _Tiling):
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+        mask = mask.expand(mask.shape[0], mask.shape[1], t.Sq, t.Sk)
+        heads = (t.Hk, t.G) if mask.shape[1] == t.H else (1, 1)
+        fill = False if mask.dtype == torch.bool else -math.inf
+        mask = F.pad(mask, (0, t.nK * t.bn - t.Sk, 0, t.nQ * t.bm - t.Sq), value=fill)
+        self.tiles = mask.reshape(mask.shape[0], *heads, t.nQ, t.bm, t.nK, t.bn)
+        self.boolean = mask.dtype == torch.bool
+
+    def apply(self, s: torch.Tensor, i0: int, i1: int, j: int) -> torch.Tensor:
+        tile = self.tiles[:, :, :, i0:i1, :, j, :]
+        if self.boolean:
+            return s.masked_fill(~tile, -math.inf)
+        return s + tile.to(s.dtype)
+
+
+# -- P quantization ------------------------------------------------------------------------------
+def _quantize_p(p, s, m_row, recipe: AttentionRecipe, gen, flags: bool) -> _Quantized:
+    """P^ from P = exp(S - m_row) as `recipe.p_quant` says (tiles: (..., bm, bn))."""
+    if recipe.p_quant is PQuant.SPEC:
+        return quantize_operand(
+            p, recipe.p, axis=-1, generator=gen, per_tile=True, prescale=recipe.p_prescale, flags=flags,
+        )
+    if recipe.p_quant is PQuant.ROW_SCALED:  # SageAttention3: rows' max mapped to M_e * M_s
+        top = recipe.p.element.max * recipe.p.scale.max
+        rowmax = p.amax(dim=-1, keepdim=True)
+        r = torch.where(rowmax > 0, top / rowmax, torch.ones_like(rowmax))
+        out = quantize_operand(p * r, recipe.p, axis=-1, generator=gen, per_tile=True, flags=flags)
+        return _Quantized(out.values / r, out.flags)
+    return _direct_p(s, m_row, recipe, flags)
+
+
+def _direct_p(s, m_row, recipe: AttentionRecipe, flags: bool) -> _Quantized:
+    """Direct-P (fp4-fa4 technical report, Sec. 4): E2M1 codes straight from the scores.
+
+    Per block B of n keys: e_B = ceil(log2 max_j P_ij), x = (z - m) log2(e) - e_B + log2(M_e),
+    q = E2M1(2^x) or E2M1(max(0, A x + B)); the represented P is 2^e_B q / M_e.
+    """
+    spec = recipe.p
+    n, m_e = spec.block[0], spec.element.max
+    z = (s - m_row.unsqueeze(-1)) * _LOG2E  # log2 P, (..., bm, bn)
+    zb = z.reshape(*z.shape[:-1], -1, n)  # (..., bm, bn / n, n)
+    lo, hi = math.log2(spec.scale.min_subnormal), math.log2(spec.scale.max)
+    e_b = torch.ceil(zb.amax(dim=-1, keepdim=True)).clamp(lo, hi)
+    x = zb - e_b + math.log2(m_e)
+    u = torch.exp2(x) if recipe.direct_p_affine is None else (recipe.direct_p_affine[0] * x + recipe.direct_p_affine[1]).clamp(min=0)
+    codes = round_to_format(u, spec.element)
+    p_hat = (torch.exp2(e_b) * codes / m_e).reshape(z.shape)
+    found = None
+    if flags:
+        zero_block = torch.isneginf(zb.amax(dim=-1, keepdim=True))
+        under = ((e_b == lo) & ~zero_block).expand(zb.shape).reshape(z.shape)
+        found = ((u > m_e).reshape(z.shape), under, torch.zeros_like(under))
+    return _Quantized(p_hat, found)
+
+
+# -- the online softmax -------------------------------------------------------------------------
+class _Running:
+    """Running row maximum m and the sums it rescales (l, acc, ...) of a chunk of query
+    tiles, each (B, Hkv, G, n, bm[, E]); updates touch query tiles a: of the chunk."""
+
+    def __init__(self, shape, dv: int, dtype, device):
+        self.m = torch.full(shape, -math.inf, dtype=dtype, device=device)
+        zeros = lambda *extra: torch.zeros(shape + extra, dtype=dtype, device=device)  # noqa: E731
+        self.sums: dict[str, torch.Tensor] = {"l": zeros(), "acc": zeros(dv)}
+
+    def step(self, a: int, s: torch.Tensor):
+        """-- update m --; returns P = exp(S - m'), m' (0 where a row saw nothing yet) and the
+        rescale factor alpha = exp(m - m') of the old sums."""
+        m_old = self.m[:, :, :, a:].clone()
+        m_new = torch.maximum(m_old, s.amax(dim=-1))
+        m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+        self.m[:, :, :, a:] = m_new
+        return torch.exp(s - m_use.unsqueeze(-1)), m_use, torch.exp(m_old - m_use)
+
+    def add(self, name: str, a: int, alpha: torch.Tensor, value: torch.Tensor) -> None:
+        """-- update a sum --: sum = alpha * sum + value on query tiles a:."""
+        if name not in self.sums:
+            shape = self.m.shape + value.shape[5:]
+            self.sums[name] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+        part = self.sums[name][:, :, :, a:]
+        scale = alpha if value.ndim == alpha.ndim else alpha.unsqueeze(-1)
+        part.mul_(scale.to(part.dtype)).add_(value)
+
+    def finish(self, acc: str, l: str):
+        """O = acc / l (0 for fully masked rows, as SDPA) and lse = m + log l (+inf there, so
+        that the backward's exp(S - lse) is 0)."""
+        denom = self.sums[l]
+        empty = denom == 0
+        out = torch.where(empty.unsqueeze(-1), 0.0, self.sums[acc] / denom.unsqueeze(-1))
+        lse = torch.where(empty, math.inf, self.m + torch.log(denom))
+        return out, lse
+
+
+@dataclass
+class _Operands:
+    """Tiled operands of one call: query side (B, Hkv, G, nQ, bm, E), key side
+    (B, Hkv, nK, bn, E); `stats` holds the whole-tensor operands' per-tile statistics."""
+
+    q: torch.Tensor  # Q^ (smoothed when smooth_q), the scores' left operand
+    k: torch.Tensor  # K^, the scores' right operand
+    mu: torch.Tensor | None  # per-query-tile mean of Q (smooth_q), (B, Hkv, G, nQ, 1, D)
+    k_plain: torch.Tensor  # unquantized K (for the mean's correction term)
+    stats: dict
+
+
+def _scores(ops: _Operands, cfg: _Config, t: _Tiling, mask, a: int, i1: int, j: int):
+    """Scores of query tiles [a, i1) against key tile j, before and after masking."""
+    kj = ops.k[:, :, j, None, None]  # (B, Hkv, 1, 1, bn, D)
+    s = cfg.scale * (ops.q[:, :, :, a:i1] @ kj.transpose(-1, -2))  # (B, Hkv, G, n, bm, bn)
+    if ops.mu is not None:  # SageAttention2's correction term, in the working precision
+        s = s + cfg.scale * (ops.mu[:, :, :, a:i1] @ ops.k_plain[:, :, j, None, None].transpose(-1, -2))
+    masked = s if mask is None else mask.apply(s, a, i1, j)
+    masked = masked.masked_fill(~t.valid(a, i1, j, s.device), -math.inf)
+    return s, masked
+
+
+def _smooth_q(qw: torch.Tensor, t: _Tiling):
+    """Q minus its mean over each query tile's rows, and that mean (B, Hkv, G, nQ, 1, D)."""
+    tiles = t.q_tiles(qw)
+    rows = torch.arange(t.nQ * t.bm, device=qw.device).view(t.nQ, t.bm, 1) < t.Sq
+    mu = tiles.sum(dim=-2, keepdim=True) / rows.sum(dim=-2, keepdim=True)
+    return qw - t.q_untile(mu.expand_as(tiles)), mu
+
+
+def _whole_stats(x, quant: _Quantized, tiler) -> dict:
+    """Per-tile operand statistics of a whole-tensor operand."""
+    flags = None
+    if quant.flags is not None:
+        flags = tuple(tiler(f.to(torch.uint8)).bool() if f is not None else None for f in quant.flags)
+    return operand_stats(tiler(x), tiler(quant.values), flags)
+
+
+def _k_slice(stats: dict, j: int, like: torch.Tensor) -> dict:
+    """Key-tile statistics (B, Hkv, nK) of tile j, broadcast to like's (B, Hkv, G, n)."""
+    return {k: v[:, :, j, None, None].expand_as(like) for k, v in stats.items()}
+
+
+def _q_slice(stats: dict, a: int, i1: int) -> dict:
+    return {k: v[:, :, :, a:i1] for k, v in stats.items()}
+
+
+def _mask_tiles(cfg: _Config, t: _Tiling):
+    return None if cfg.attn_mask is None else _MaskTiles(cfg.attn_mask, t)
+
+
+# -- forward ---------------------------------------------------------------------------------------
+def _forward(q, k, v, cfg: _Config, t: _Tiling, rec: TraceCall | None):
+    """FlashAttention-2's forward (Algorithm 1) over query-tile chunks; returns
+    (O, lse tiles, O' or None, saved tensors)."""
+    recipe, work = cfg.recipe, _work_dtype(q)
+    qw, kw, vw = q.to(work), k.to(work), v.to(work)
+    q_src, mu = _smooth_q(qw, t) if recipe.smooth_q else (qw, None)
+    tracing = rec is not None
+    q_hat = quantize_operand(q_src, recipe.q, axis=-1, generator=cfg.generator, flags=tracing)
+    k_hat = quantize_operand(kw, recipe.k, axis=-1, generator=cfg.generator, flags=tracing)
+    v_hat = quantize_operand(vw, recipe.v, axis=-2, generator=cfg.generator, flags=tracing)
+    stats = {}
+    if tracing:
+        stats = {
+            "q": _whole_stats(q_src, q_hat, t.q_tiles), "k": _whole_stats(kw, k_hat, t.k_tiles),
+            "v": _whole_stats(vw, v_hat, t.k_tiles),
+            "ref": tuple(x.to(rec.meta["reference_dtype"]) for x in (qw, kw, vw)),
+        }
+    ops = _Operands(t.q_tiles(q_hat.values), t.k_tiles(k_hat.values), mu, t.k_tiles(kw), stats)
+    v_tiles = t.k_tiles(v_hat.values)
+    mask = _mask_tiles(cfg, t)
+    pieces = [_forward_chunk(ops, v_tiles, cfg, t, mask, i0, i1, rec) for i0, i1 in t.chunks()]
+    o, lse, o_prime = (torch.cat(x, dim=3) if x[0] is not None else None for x in zip(*pieces))
+    saved = (q_hat.values, k_hat.values, v_hat.values, mu)
+    return t.q_untile(o), lse, (t.q_untile(o_prime) if o_prime is not None else None), saved
+
+
+def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: int, rec):
+    """Query tiles [i0, i1) against every key tile they see."""
+    recipe, q = cfg.recipe, ops.q
+    shape = (t.B, t.Hk, t.G, i1 - i0, t.bm)
+    run = _Running(shape, v_tiles.shape[-1], q.dtype, q.device)
+    ref = _Reference(ops, t, i0, i1, rec) if rec is not None else None
+    for j in t.key_tiles(i0, i1):
+        a = t.first_q_tile(j, i0)
+        s_raw, s = _scores(ops, cfg, t, mask, a, i1, j)
+        p, m_use, alpha = run.step(a - i0, s)
+        p_hat = _quantize_p(p, s, m_use, recipe, cfg.generator, flags=rec is not None)
+        pv = p_hat.values @ v_tiles[:, :, j, None, None]  # (B, Hkv, G, n, bm, Dv)
+        consumed, plain = p_hat.values.sum(-1), p.sum(-1)
+        run.add("l", a - i0, alpha, consumed if recipe.row_sum is RowSum.QUANTIZED_P else plain)
+        run.add("acc", a - i0, alpha, pv)
+        if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:  # Attn-QAT's O' = (P V^) / sum P
+            run.add("acc_prime", a - i0, alpha, p @ v_tiles[:, :, j, None, None])
+            run.add("l_prime", a - i0, alpha, plain)
+        if ref is not None:
+            run.add("l_consumed", a - i0, alpha, consumed)
+            run.add("l_plain", a - i0, alpha, plain)
+            ref.tile(a, j, s_raw, s, p, p_hat, pv, m_use, v_tiles, mask, cfg)
+    o, lse = run.finish("acc", "l")
+    o_prime = run.finish("acc_prime", "l_prime")[0] if "acc_prime" in run.sums else None
+    if ref is not None:
+        ref.finish(run, o, lse)
+    return o, lse, o_prime
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class _Reference:
+    """The trace's side of the forward: exact attention in the reference dtype alongside,
+    and the qk / pv statistics of every tile of one chunk of query tiles."""
+
+    def __init__(self, ops: _Operands, t: _Tiling, i0: int, i1: int, rec: TraceCall):
+        self.ops, self.t, self.i0, self.i1, self.rec = ops, t, i0, i1, rec
+        q64, k64, v64 = ops.stats["ref"]
+        self.q64, self.k64, self.v64 = t.q_tiles(q64), t.k_tiles(k64), t.k_tiles(v64)
+        shape = (t.B, t.Hk, t.G, i1 - i0, t.bm)
+        self.run = _Running(shape, v64.shape[-1], q64.dtype, q64.device)
+        self.log_lost = torch.full(shape + (t.nK,), -math.inf, dtype=q64.dtype, device=q64.device)
+
+    def tile(self, a, j, s_raw, s, p, p_hat, pv, m_use, v_tiles, mask, cfg) -> None:
+        """Statistics of qk and pv on query tiles [a, i1) x key tile j; exact softmax step."""
+        t, ops, i1 = self.t, self.ops, self.i1
+        s_ref = cfg.scale * (self.q64[:, :, :, a:i1] @ self.k64[:, :, j, None, None].transpose(-1, -2))
+        keep = ~torch.isneginf(s)  # entries the masks leave
+        qk = {**prefix(_q_slice(ops.stats["q"], a, i1), "a"), **prefix(_k_slice(ops.stats["k"], j, s[..., 0, 0]), "b")}
+        qk.update(product_stats(s_raw.masked_fill(~keep, 0), s_ref.masked_fill(~keep, 0)))
+        self.rec.add(Product.QK, a, j, qk)
+        v64j = self.v64[:, :, j, None, None]
+        pv_ref = p.to(v64j.dtype) @ v64j
+        stats = {**prefix(operand_stats(p, p_hat.values, p_hat.flags), "a"), **prefix(_k_slice(ops.stats["v"], j, s[..., 0, 0]), "b")}
+        stats.update(product_stats(pv, pv_ref))
+        self.rec.add(Product.PV, a, j, stats)
+        lost = torch.where(p_hat.values == 0, p, 0.0).sum(-1)  # flushed P of each row
+        self.log_lost[:, :, :, a - self.i0 :, :, j] = (m_use + torch.log(lost)).to(self.log_lost.dtype)
+        s_exact = s_ref if mask is None else mask.apply(s_ref, a, i1, j)
+        s_exact = s_exact.masked_fill(~t.valid(a, i1, j, s.device), -math.inf)
+        p_ref, _, alpha = self.run.step(a - self.i0, s_exact)
+        self.run.add("l", a - self.i0, alpha, p_ref.sum(-1))
+        self.run.add("acc", a - self.i0, alpha, p_ref @ v64j)
+
+    def finish(self, run: _Running, o: torch.Tensor, lse: torch.Tensor) -> None:
+        """Per-query-tile statistics of the chunk, and P's lost probability mass per tile."""
+        o_ref, lse_ref = self.run.finish("acc", "l")
+        rows = torch.isfinite(lse_ref) & torch.isfinite(lse)  # (B, Hkv, G, n, bm)
+        count = rows.sum(-1).double()
+        mean = lambda x: torch.where(rows, x, 0.0).double().sum(-1) / count  # noqa: E731
+        diff = torch.where(rows.unsqueeze(-1), o.to(o_ref.dtype) - o_ref, 0.0)
+        ref_norm = torch.where(rows.unsqueeze(-1), o_ref, 0.0).square().sum((-2, -1)).sqrt()
+        out = {
+            "row_sum_err": mean(run.sums["l_consumed"] / run.sums["l_plain"] - 1),
+            "lse_err": mean((lse.to(lse_ref.dtype) - lse_ref).abs()),
+            "out_err": diff.square().sum((-2, -1)).sqrt() / ref_norm,
+            "out_nan": torch.isnan(o).sum((-2, -1)).double(),
+        }
+        self.rec.add_out(self.i0, out)
+        lost = torch.where(rows.unsqueeze(-1), torch.exp(self.log_lost - lse.to(self.log_lost.dtype).unsqueeze(-1)), 0.0)
+        lost = lost.sum(-2) / count.unsqueeze(-1)  # (B, Hkv, G, n, nK)
+        for j in self.t.key_tiles(self.i0, self.i1):
+            a = self.t.first_q_tile(j, self.i0)
+            self.rec.add(Product.PV, a, j, {"p_mass_lost": lost[:, :, :, a - self.i0 :, j]})
+
+
+# -- backward --------------------------------------------------------------------------------------
+@dataclass
+class _BackwardOperands:
+    """Tiled operands of the backward's products (see `_Operands` for the layouts)."""
+
+    scores: _Operands  # what S = Q K^T is rebuilt from
+    do_dv: torch.Tensor  # dO in dV = P^T dO, query side
+    do_dp: torch.Tensor  # dO in dP = dO V^T, query side
+    v_dp: torch.Tensor  # V in dP, key side
+    k_dq: torch.Tensor  # K in dQ = dS K, key side
+    q_dk: torch.Tensor  # Q in dK = dS^T Q, query side
+    stats: dict
+
+
+def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, tracing: bool) -> _BackwardOperands:
+    """Quantize the backward's whole-tensor operands as `recipe.backward` says."""
+    recipe, gen = cfg.recipe, cfg.generator
+    q_hat, k_hat, v_hat, mu = saved
+    if recipe.backward_p is BackwardP.QUANTIZED_QK:
+        scores = _Operands(t.q_tiles(q_hat), t.k_tiles(k_hat), mu, t.k_tiles(k), {})
+    else:
+        scores = _Operands(t.q_tiles(q), t.k_tiles(k), None, t.k_tiles(k), {})
+    if recipe.backward is BackwardMode.FLASH:
+        quant = {
+            "do_dv": quantize_operand(do, recipe.dv_do, axis=-2, generator=gen, flags=tracing),
+            "do_dp": quantize_operand(do, recipe.dp_do, axis=-1, generator=gen, flags=tracing),
+            "v_dp": quantize_operand(v, recipe.dp_v, axis=-1, generator=gen, flags=tracing),
+            "k_dq": quantize_operand(k, recipe.dq_k, axis=-2, generator=gen, flags=tracing),
+            "q_dk": quantize_operand(q, recipe.dk_q, axis=-2, generator=gen, flags=tracing),
+        }
+    else:  # straight through: the forward's Q^ (with its mean added back), K^, V^
+        q_eff = q_hat if mu is None else q_hat + t.q_untile(mu.expand(*mu.shape[:4], t.bm, mu.shape[-1]))
+        quant = {
+            "do_dv": _Quantized(do), "do_dp": _Quantized(do),
+            "v_dp": _forward_flags(v, v_hat, recipe.v, -2, tracing),
+            "k_dq": _forward_flags(k, k_hat, recipe.k, -1, tracing),
+            "q_dk": _forward_flags(q, q_eff, recipe.q, -1, tracing),
+        }
+    plain = {"do_dv": do, "do_dp": do, "v_dp": v, "k_dq": k, "q_dk": q}
+    tiler = {"do_dv": t.q_tiles, "do_dp": t.q_tiles, "v_dp": t.k_tiles, "k_dq": t.k_tiles, "q_dk": t.q_tiles}
+    stats = {name: _whole_stats(plain[name], quant[name], tiler[name]) for name in quant} if tracing else {}
+    tiles = {name: tiler[name](quant[name].values) for name in quant}
+    return _BackwardOperands(scores=scores, stats=stats, **tiles)
+
+
+def _forward_flags(x, x_hat, spec, axis, tracing) -> _Quantized:
+    """The forward's quantized operand, with its flags recomputed for the trace."""
+    flags = quantize_operand(x, spec, axis=axis, flags=True).flags if tracing else None
+    return _Quantized(x_hat, flags)
+
+
+def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: _Config, t: _Tiling, rec):
+    """FlashAttention-2's backward (Algorithm 2): dQ, dK, dV in the working precision."""
+    work = o.dtype
+    dow, qw, kw, vw = do.to(work), q.to(work), k.to(work), v.to(work)
+    o_src = o_prime if cfg.recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else o
+    delta = t.q_tiles((dow * o_src).sum(-1))  # D_i = rowsum(dO_i * O_i), (B, Hkv, G, nQ, bm)
+    ops = _backward_operands(dow, qw, kw, vw, saved, cfg, t, rec is not None)
+    if rec is not None:
+        ref = rec.meta["reference_dtype"]
+        ops.stats["ref"] = (t.q_tiles(qw.to(ref)), t.k_tiles(kw.to(ref)), t.k_tiles(vw.to(ref)), t.q_tiles(dow.to(ref)))
+    dk = torch.zeros(t.B, t.Hk, t.nK, t.bn, q.shape[-1], dtype=work, device=q.device)
+    dv = torch.zeros(t.B, t.Hk, t.nK, t.bn, v.shape[-1], dtype=work, device=q.device)
+    mask = _mask_tiles(cfg, t)
+    dq = [_backward_chunk(ops, cfg, t, mask, i0, i1, lse, delta, dk, dv, rec) for i0, i1 in t.chunks()]
+    dq = torch.cat(dq, dim=3) if dq else torch.zeros_like(t.q_tiles(qw))
+    return t.q_untile(dq), t.k_untile(dk), t.k_untile(dv)
+
+
+def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, i1, lse, delta, dk, dv, rec):
+    """Query tiles [i0, i1) against every key tile they see; accumulates dK, dV, returns dQ."""
+    recipe, gen, tracing = cfg.recipe, cfg.generator, rec is not None
+    dq = torch.zeros(t.B, t.Hk, t.G, i1 - i0, t.bm, ops.k_dq.shape[-1], dtype=dk.dtype, device=dk.device)
+    for j in t.key_tiles(i0, i1):
+        a = t.first_q_tile(j, i0)
+        _, s = _scores(ops.scores, cfg, t, mask, a, i1, j)
+        lse_a = lse[:, :, :, a:i1]
+        p = torch.exp(s - lse_a.unsqueeze(-1))  # P rebuilt from the forward's lse
+        if recipe.backward is BackwardMode.STRAIGHT_THROUGH:
+            p_dv = _quantize_p(p, s, lse_a, recipe, gen, tracing)
+        else:
+            p_dv = quantize_operand(p, recipe.dv_p, axis=-2, generator=gen, per_tile=True, prescale=recipe.p_prescale, flags=tracing)
+        dv_part = p_dv.values.transpose(-1, -2) @ ops.do_dv[:, :, :, a:i1]  # (B, Hkv, G, n, bn, Dv)
+        dv[:, :, j] += dv_part.sum(dim=(2, 3))
+        dp = ops.do_dp[:, :, :, a:i1] @ ops.v_dp[:, :, j, None, None].transpose(-1, -2)
+        ds = p * (dp - delta[:, :, :, a:i1].unsqueeze(-1))  # dS = P * (dP - D)
+        ds_q = quantize_operand(ds, recipe.dq_ds, axis=-1, generator=gen, per_tile=True, prescale=recipe.ds_prescale, flags=tracing)
+        dq_part = ds_q.values @ ops.k_dq[:, :, j, None, None]  # (B, Hkv, G, n, bm, D)
+        dq[:, :, :, a - i0 :] += cfg.scale * dq_part
+        ds_k = quantize_operand(ds, recipe.dk_ds, axis=-2, generator=gen, per_tile=True, prescale=recipe.ds_prescale, flags=tracing)
+        dk_part = ds_k.values.transpose(-1, -2) @ ops.q_dk[:, :, :, a:i1]  # (B, Hkv, G, n, bn, D)
+        dk[:, :, j] += cfg.scale * dk_part.sum(dim=(2, 3))
+        if tracing:
+            tiles = {"p": p, "p_dv": p_dv, "dv": dv_part, "dp": dp, "ds": ds, "ds_q": ds_q, "dq": dq_part, "ds_k": ds_k, "dk": dk_part}
+            _backward_stats(ops, tiles, s, lse_a, a, i1, j, rec)
+    return dq
+
+
+def _backward_stats(ops: _BackwardOperands, x: dict, s, lse_a, a: int, i1: int, j: int, rec: TraceCall) -> None:
+    """Statistics of dv, dp, dq, dk on query tiles [a, i1) x key tile j."""
+    q64, k64, v64, do64 = (y for y in ops.stats["ref"])
+    q64, do64, k64j, v64j = q64[:, :, :, a:i1], do64[:, :, :, a:i1], k64[:, :, j, None, None], v64[:, :, j, None, None]
+    st, like = ops.stats, s[..., 0, 0]
+    p64, ds64 = x["p"].to(q64.dtype), x["ds"].to(q64.dtype)
+    keep = ~torch.isneginf(s)
+    rows = torch.isfinite(lse_a)
+    lost = torch.where(x["p_dv"].values == 0, x["p"], 0.0).sum(-1)
+    mass = torch.where(rows, lost, 0.0).double().sum(-1) / rows.sum(-1).double()
+    records = {
+        Product.DV: (operand_stats(x["p"], x["p_dv"].values, x["p_dv"].flags), _q_slice(st["do_dv"], a, i1),
+                     product_stats(x["dv"], p64.transpose(-1, -2) @ do64), {"p_mass_lost": mass}),
+        Product.DP: (_q_slice(st["do_dp"], a, i1), _k_slice(st["v_dp"], j, like),
+                     product_stats(x["dp"].masked_fill(~keep, 0), (do64 @ v64j.transpose(-1, -2)).masked_fill(~keep, 0)), {}),
+        Product.DQ: (operand_stats(x["ds"], x["ds_q"].values, x["ds_q"].flags), _k_slice(st["k_dq"], j, like),
+                     product_stats(x["dq"], ds64 @ k64j), {}),
+        Product.DK: (operand_stats(x["ds"], x["ds_k"].values, x["ds_k"].flags), _q_slice(st["q_dk"], a, i1),
+                     product_stats(x["dk"], ds64.transpose(-1, -2) @ q64), {}),
+    }
+    for product, (sa, sb, prod, extra) in records.items():
+        rec.add(product, a, j, {**prefix(sa, "a"), **prefix(sb, "b"), **prod, **extra})
+
+
+# -- the autograd Function ---------------------------------------------------------------------------
+class _Attention(torch.autograd.Function):
+    """Forward and backward of `attention` (inputs already transformed by `_transform_qk`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cfg: _Config):
+        t = _Tiling(
+            B=q.shape[0], H=q.shape[1], Hk=k.shape[1], Sq=q.shape[2], Sk=k.shape[2],
+            bm=cfg.block_m, bn=cfg.block_n, causal=cfg.causal,
+        )
+        rec = _begin_trace(cfg, t, q, v)
+        o, lse, o_prime, saved = _forward(q, k, v, cfg, t, rec)
+        ctx.save_for_backward(q, k, v, o, lse, o_prime, *saved)
+        ctx.cfg, ctx.tiling, ctx.rec = cfg, t, rec
+        return o.to(q.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, k, v, o, lse, o_prime, *saved = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, o_prime, saved, ctx.cfg, ctx.tiling, ctx.rec)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _begin_trace(cfg: _Config, t: _Tiling, q, v) -> TraceCall | None:
+    if cfg.trace is None:
+        return None
+    meta = {
+        "reference_dtype": cfg.trace.reference_dtype, "shape_q": tuple(q.shape), "Sk": t.Sk,
+        "kv_heads": t.Hk, "v_dim": v.shape[-1], "dtype": str(q.dtype), "causal": cfg.causal,
+        "scale": cfg.scale, "block_m": t.bm, "block_n": t.bn, "masked": cfg.attn_mask is not None,
+        "seed": cfg.generator.initial_seed() if cfg.generator is not None else None,
+    }
+    return cfg.trace.begin(cfg.recipe.name, (t.B, t.Hk, t.G, t.nQ, t.nK), meta)

@@ -1,0 +1,218 @@
+"""Per-tile statistics of what quantization did inside attention: the `Trace`.
+
+Give `attention(..., trace=Trace())` and every call records, for each of the six products
+(`qk`, `pv` in the forward; `dv`, `dp`, `dq`, `dk` once `backward()` has run) and each
+(batch, head, query tile, key tile), how much its two operands lost to quantization and how
+far the product tile landed from the same product in float64 on unquantized operands, plus
+per query tile how far the softmax denominator, log-sum-exp and output moved. Several calls
+(the layers of a model under `patch_sdpa`) are kept apart by a `call` index. Statistics are
+tensors while attention runs and a pandas DataFrame at the end (`Trace.to_frame`), never
+prints; a heatmap over (q_tile, k_tile) of any column is one pivot away.
+
+Definitions (x an operand tile before quantization, x^ after, both as the product consumes
+them; "nonzero" counts the elements with x != 0; NaN where a ratio has nothing to count):
+
+- ``a_err`` / ``b_err``: ||x^ - x||_F / ||x||_F (0 when both are zero).
+- ``a_flushed`` / ``b_flushed``: fraction of nonzero elements with x^ = 0.
+- ``a_clipped`` / ``b_clipped``: fraction of nonzero elements whose magnitude exceeds the
+  largest value representable in their block (element max x block scale x tensor scale),
+  so that saturation, not rounding, set x^.
+- ``a_scale_underflow`` / ``..._overflow``: fraction of nonzero elements lying in a block
+  whose ideal scale, block amax / (element max x tensor scale), is below the scale format's
+  smallest positive value (the block flushes or its scale is raised) or above its largest
+  (the scale saturates and the block clips). NaN for operands without block scales.
+- ``a_nan`` / ``b_nan``: number of NaN elements of x^.
+- ``p_mass_lost`` (products with a P operand): probability mass whose P values were
+  flushed to zero, in units of the final softmax probability, averaged over the tile's
+  query rows (the forward normalises by the recipe's own log-sum-exp).
+- ``prod_err``: ||y^ - y||_F / ||y||_F of the product tile y^ (quantized operands) against
+  y, the same product in `reference_dtype` on the unquantized operands of this product
+  (its local error; errors arriving from earlier products show in the ``out`` rows).
+- ``prod_nan``: number of NaN elements of y^.
+
+Rows with ``product == "out"`` (``k_tile == -1``) hold the per-query-tile statistics of the
+forward, over the tile's query rows that are not fully masked:
+
+- ``row_sum_err``: mean of l^ / l - 1, the sum of the P values that P V consumed over the
+  sum of the unquantized P (same scores, same running maximum).
+- ``lse_err``: mean |lse - lse_ref|, the recipe's log-sum-exp against the exact one in
+  `reference_dtype` from the unquantized Q, K.
+- ``out_err``: ||O - O_ref||_F / ||O_ref||_F of the output tile against exact attention in
+  `reference_dtype` on the unquantized inputs.
+- ``out_nan``: number of NaN elements of the output tile.
+
+Identifying columns: ``call``, ``recipe``, ``product``, ``a_name``, ``b_name`` (operand
+names: q, k, p, v, do, ds), ``batch``, ``head`` (query head), ``kv_head``, ``q_tile``,
+``k_tile``. Tiles a causal mask skips entirely are absent. Metadata of each call (shapes,
+tiles, causal, the generator's seed) is in `Trace.calls[i].meta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+from fp4lab.analysis.recipe import Product
+
+__all__ = ["Trace", "TraceCall", "OPERAND_COLUMNS", "PRODUCT_COLUMNS", "OUT_COLUMNS"]
+
+OPERAND_COLUMNS = ("err", "flushed", "clipped", "scale_underflow", "scale_overflow", "nan")
+PRODUCT_COLUMNS = ("p_mass_lost", "prod_err", "prod_nan")
+OUT_COLUMNS = ("row_sum_err", "lse_err", "out_err", "out_nan")
+
+
+class Trace:
+    """Collects per-tile statistics of the attention calls it is passed to.
+
+    Args:
+        reference_dtype: precision of the reference products and of the exact attention the
+            ``out`` rows compare with (float64 by default; float32 is cheaper and still far
+            below any FP8/FP4 error).
+    """
+
+    def __init__(self, *, reference_dtype: torch.dtype = torch.float64) -> None:
+        if reference_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"reference_dtype must be torch.float32 or torch.float64, got {reference_dtype}")
+        self.reference_dtype = reference_dtype
+        self.calls: list[TraceCall] = []
+
+    def begin(self, recipe: str, dims: tuple[int, ...], meta: dict) -> "TraceCall":
+        """Open the record of one attention call (used by `attention`)."""
+        call = TraceCall(len(self.calls), recipe, dims, dict(meta))
+        self.calls.append(call)
+        return call
+
+    def clear(self) -> None:
+        """Forget every recorded call."""
+        self.calls.clear()
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (call, product, batch, head, query tile, key tile); see the module."""
+        frames = [call.to_frame() for call in self.calls]
+        frames = [f for f in frames if len(f)]
+        if not frames:
+            return pd.DataFrame(columns=list(_ID_COLUMNS + _ALL_STATS))
+        return pd.concat(frames, ignore_index=True)
+
+
+_ID_COLUMNS = (
+    "call", "recipe", "product", "a_name", "b_name", "batch", "head", "kv_head", "q_tile",
+    "k_tile",
+)
+_ALL_STATS = (
+    tuple(f"{side}_{c}" for side in "ab" for c in OPERAND_COLUMNS) + PRODUCT_COLUMNS + OUT_COLUMNS
+)
+
+
+@dataclass
+class TraceCall:
+    """The statistics of one attention call, as (B, Hkv, G, n_q_tiles, n_k_tiles) tensors.
+
+    Heads are split as query head = kv_head * G + g (grouped-query attention's layout).
+    """
+
+    index: int
+    recipe: str
+    dims: tuple[int, ...]  # (B, Hkv, G, nQ, nK)
+    meta: dict
+    products: dict[Product, dict[str, torch.Tensor]] = field(default_factory=dict)
+    done: dict[Product, torch.Tensor] = field(default_factory=dict)
+    out: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, product: Product, i0: int, j: int, stats: dict[str, torch.Tensor]) -> None:
+        """Store one key tile's statistics for query tiles i0 .. i0 + n, each (B, Hkv, G, n)."""
+        if product not in self.products:
+            b, h, g, nq, nk = self.dims
+            self.products[product] = {}
+            self.done[product] = torch.zeros(nq, nk, dtype=torch.bool)
+        table = self.products[product]
+        for name, value in stats.items():
+            if name not in table:
+                table[name] = torch.full(self.dims, float("nan"), dtype=torch.float64)
+            n = value.shape[-1]
+            table[name][..., i0 : i0 + n, j] = value.detach().to("cpu", torch.float64)
+        n = next(iter(stats.values())).shape[-1]
+        self.done[product][i0 : i0 + n, j] = True
+
+    def add_out(self, i0: int, stats: dict[str, torch.Tensor]) -> None:
+        """Store per-query-tile statistics of tiles i0 .. i0 + n, each (B, Hkv, G, n)."""
+        for name, value in stats.items():
+            if name not in self.out:
+                self.out[name] = torch.full(self.dims[:4], float("nan"), dtype=torch.float64)
+            self.out[name][..., i0 : i0 + value.shape[-1]] = value.detach().to("cpu", torch.float64)
+
+    def to_frame(self) -> pd.DataFrame:
+        frames = [self._product_frame(p) for p in Product if p in self.products]
+        if self.out:
+            frames.append(self._out_frame())
+        if not frames:
+            return pd.DataFrame(columns=list(_ID_COLUMNS + _ALL_STATS))
+        frame = pd.concat(frames, ignore_index=True)
+        return frame.reindex(columns=list(_ID_COLUMNS + _ALL_STATS))
+
+    def _index(self, with_k: bool) -> dict[str, torch.Tensor]:
+        b, h, g, nq, nk = self.dims
+        shape = self.dims if with_k else self.dims[:4]
+        grids = torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij")
+        index = {"batch": grids[0], "kv_head": grids[1], "head": grids[1] * g + grids[2], "q_tile": grids[3]}
+        index["k_tile"] = grids[4] if with_k else torch.full(shape, -1)
+        return index
+
+    def _product_frame(self, product: Product) -> pd.DataFrame:
+        keep = self.done[product].expand(self.dims)  # (B, Hkv, G, nQ, nK)
+        columns = {k: v[keep].numpy() for k, v in self._index(True).items()}
+        columns.update({k: v[keep].numpy() for k, v in self.products[product].items()})
+        frame = pd.DataFrame(columns)
+        a_name, b_name = product.operand_names
+        return frame.assign(call=self.index, recipe=self.recipe, product=product.value, a_name=a_name, b_name=b_name)
+
+    def _out_frame(self) -> pd.DataFrame:
+        columns = {k: v.flatten().numpy() for k, v in self._index(False).items()}
+        columns.update({k: v.flatten().numpy() for k, v in self.out.items()})
+        return pd.DataFrame(columns).assign(call=self.index, recipe=self.recipe, product="out")
+
+
+# -- statistics of one batch of tiles (reductions over the last two dims) -----------------------
+def operand_stats(x: torch.Tensor, xq: torch.Tensor, flags=None) -> dict[str, torch.Tensor]:
+    """The operand columns for tiles x -> x^ (..., rows, cols), reduced over the tile.
+
+    `flags` is (clipped, scale_underflow, scale_overflow), boolean tensors of x's shape, the
+    last two None for operands without block scales, or None for an unquantized operand.
+    """
+    dims = (-2, -1)
+    nonzero = x != 0
+    count = nonzero.sum(dims).double()
+    diff = (xq - x).double().square().sum(dims).sqrt()
+    norm = x.double().square().sum(dims).sqrt()
+    stats = {
+        "err": torch.where(diff == 0, 0.0, diff / norm),
+        "flushed": _fraction(nonzero & (xq == 0), count),
+        "nan": torch.isnan(xq).sum(dims).double(),
+    }
+    clipped, under, over = flags if flags is not None else (None, None, None)
+    stats["clipped"] = _fraction(clipped & nonzero, count) if clipped is not None else 0.0 * count
+    nan = torch.full_like(count, float("nan"))
+    stats["scale_underflow"] = _fraction(under & nonzero, count) if under is not None else nan
+    stats["scale_overflow"] = _fraction(over & nonzero, count) if over is not None else nan
+    return stats
+
+
+def product_stats(y: torch.Tensor, y_ref: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``prod_err`` and ``prod_nan`` of product tiles y (..., rows, cols) against y_ref."""
+    dims = (-2, -1)
+    y_ref = y_ref.to(torch.float64)
+    diff = (y.to(torch.float64) - y_ref).square().sum(dims).sqrt()
+    norm = y_ref.square().sum(dims).sqrt()
+    return {"prod_err": torch.where(diff == 0, 0.0, diff / norm), "prod_nan": torch.isnan(y).sum(dims).double()}
+
+
+def prefix(stats: dict[str, torch.Tensor], side: str) -> dict[str, torch.Tensor]:
+    """Operand statistics renamed for operand `side` ("a" or "b")."""
+    return {f"{side}_{k}": v for k, v in stats.items()}
+
+
+def _fraction(mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    hits = mask.sum((-2, -1)).double()
+    return torch.where(count > 0, hits / count.clamp(min=1), float("nan"))
