@@ -208,7 +208,10 @@ def _scale(blocks: torch.Tensor, amax: torch.Tensor, spec: QuantSpec):
         t = torch.clamp(amax * (encode * (1.0 / torch.tensor(m_e))), max=_FLT_MAX)
     else:
         scaled_amax = amax / decode if decode is not None else amax
-        t = (amax / m_e) / decode if arith is ScaleArithmetic.TORCHAO_DECODE and decode is not None else scaled_amax / m_e
+        if arith is ScaleArithmetic.TORCHAO_DECODE and decode is not None:
+            t = _true_div(amax, m_e) / decode
+        else:
+            t = _true_div(scaled_amax, m_e)
     s = _round_scale(scaled_amax, t, spec)
     # -- the elements --
     d = decode if decode is not None else torch.ones((), dtype=torch.float32)
@@ -225,6 +228,12 @@ def _scale(blocks: torch.Tensor, amax: torch.Tensor, spec: QuantSpec):
     return s, decode, scaled
 
 
+def _true_div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """a / b correctly rounded on every device: CUDA turns division by a CPU scalar into
+    multiplication by its reciprocal, which can differ in the last bit."""
+    return a / torch.tensor(b, dtype=a.dtype, device=a.device)
+
+
 def _tensor_scales(amax: torch.Tensor, spec: QuantSpec):
     """(decode, encode) per-tensor scales in float32; (None, 1) without a tensor scale."""
     one = torch.ones((), dtype=torch.float32)
@@ -236,7 +245,7 @@ def _tensor_scales(amax: torch.Tensor, spec: QuantSpec):
         encode = torch.clamp(big / tensor_amax, max=_FLT_MAX)
         encode = torch.where(encode == 0, one, encode)
         return 1.0 / encode, encode
-    decode = tensor_amax / big
+    decode = tensor_amax / big.to(tensor_amax.device)
     return decode, one / decode
 
 

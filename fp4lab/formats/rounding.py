@@ -63,14 +63,13 @@ class Rounding(enum.Enum):
             raise ValueError(f"rounding must be one of {known}; got {value!r}") from None
 
 
-def as_generator(
-    generator: torch.Generator | int | None, device: torch.device | str = "cpu"
-) -> torch.Generator | None:
-    """A torch.Generator from a generator or an int seed (None stays None)."""
+def as_generator(generator: torch.Generator | int | None) -> torch.Generator | None:
+    """A torch.Generator from a generator or an int seed (None stays None). An int seed makes
+    a CPU generator, so a seed gives the same random numbers on every device."""
     if generator is None or isinstance(generator, torch.Generator):
         return generator
     if isinstance(generator, int) and not isinstance(generator, bool):
-        return torch.Generator(device=device).manual_seed(generator)
+        return torch.Generator().manual_seed(generator)
     raise TypeError(f"generator must be a torch.Generator, an int seed or None, got {generator!r}")
 
 
@@ -118,7 +117,7 @@ def round_to_format(
     e = torch.clamp(ex.to(torch.int64) - 1, min=fmt.emin, max=fmt.emax + 1)
     q = e - fmt.mbits
     y = torch.where(torch.isfinite(a), a, 0.0) * _pow2(-q)  # exact; the grid is now Z
-    r = _round_integer(y, rounding, generator, sr_bits, noise, x.device)
+    r = _round_integer(y, rounding, generator, sr_bits, noise)
     out = r * _pow2(q)
     out = _apply_range(out, a, fmt, saturate)
     return _apply_sign(out, w, fmt).to(x.dtype)
@@ -155,7 +154,7 @@ def _round_float32(x: torch.Tensor, fmt: FloatFormat, rounding: Rounding) -> tor
     return out
 
 
-def _round_integer(y, rounding, generator, sr_bits, noise, device) -> torch.Tensor:
+def _round_integer(y, rounding, generator, sr_bits, noise) -> torch.Tensor:
     """y >= 0 rounded to an integer-valued float64 tensor."""
     if rounding is Rounding.NEAREST_EVEN:
         return torch.round(y)  # round-half-to-even
@@ -167,7 +166,7 @@ def _round_integer(y, rounding, generator, sr_bits, noise, device) -> torch.Tens
         return torch.ceil(y)
     low = torch.floor(y)
     frac = y - low  # exact
-    u = _uniforms(y, generator, noise, device)
+    u = _uniforms(y, generator, noise)
     if sr_bits is None:
         up = u < frac
     else:
@@ -178,12 +177,12 @@ def _round_integer(y, rounding, generator, sr_bits, noise, device) -> torch.Tens
     return low + up.to(torch.float64)
 
 
-def _uniforms(y, generator, noise, device) -> torch.Tensor:
+def _uniforms(y, generator, noise) -> torch.Tensor:
     if noise is not None:
         if noise.shape != y.shape:
             raise ValueError(f"noise must have x's shape {tuple(y.shape)}, got {tuple(noise.shape)}")
         return noise.to(torch.float64)
-    gen = as_generator(generator, device)
+    gen = as_generator(generator)
     if gen is None:
         raise ValueError(
             "generator is required for stochastic rounding (a torch.Generator or an int seed); "
