@@ -123,7 +123,7 @@ def attention(
     _check_tiling(recipe, q.shape[-1], v.shape[-1], block_m, block_n)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    gen = _generator(recipe, generator, q.device)
+    gen = _generator(recipe, generator)
     q, k = _transform_qk(q, k, recipe)
     config = _Config(
         recipe=recipe, causal=bool(causal), scale=float(scale), block_m=block_m,
@@ -256,8 +256,8 @@ def _check_divides(recipe, field, block, what, size) -> None:
     )
 
 
-def _generator(recipe: AttentionRecipe, generator, device) -> torch.Generator | None:
-    gen = as_generator(generator, device)
+def _generator(recipe: AttentionRecipe, generator) -> torch.Generator | None:
+    gen = as_generator(generator)
     if recipe.stochastic and gen is None:
         raise ValueError(
             f"generator: recipe {recipe.name!r} rounds stochastically; pass a torch.Generator "

@@ -264,6 +264,11 @@ class AttentionRecipe:
         self._check_backward()
 
     def _check_p_quant(self) -> None:
+        if self.direct_p_affine is not None:
+            if self.p_quant is not PQuant.DIRECT:
+                raise ValueError("direct_p_affine is only used with p_quant=direct")
+            if len(self.direct_p_affine) != 2 or not all(math.isfinite(c) for c in self.direct_p_affine):
+                raise ValueError(f"direct_p_affine must be two finite numbers (A, B), got {self.direct_p_affine!r}")
         if self.p_quant is PQuant.SPEC:
             return
         if not isinstance(self.p, QuantSpec) or self.p.block is None or len(self.p.block) != 1:
@@ -276,12 +281,9 @@ class AttentionRecipe:
                 f"tensor_scale=False, got spec {self.p.name!r}"
             )
         if self.p_quant is PQuant.DIRECT and self.p.element != FP4_E2M1:
-            raise ValueError(f"p_quant=direct maps scores to E2M1 codes: p.element must be FP4_E2M1, got {self.p.element.name}")
-        if self.direct_p_affine is not None:
-            if self.p_quant is not PQuant.DIRECT:
-                raise ValueError("direct_p_affine is only used with p_quant=direct")
-            if len(self.direct_p_affine) != 2 or not all(math.isfinite(c) for c in self.direct_p_affine):
-                raise ValueError(f"direct_p_affine must be two finite numbers (A, B), got {self.direct_p_affine!r}")
+            raise ValueError(
+                f"p_quant=direct maps scores to E2M1 codes: p.element must be FP4_E2M1, got {self.p.element.name}"
+            )
 
     def _check_backward(self) -> None:
         if self.backward is BackwardMode.STRAIGHT_THROUGH:

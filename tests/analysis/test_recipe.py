@@ -1,0 +1,157 @@
+"""AttentionRecipe: the data model, its validation, the registry and the presets' literals."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fp4lab.analysis import attention
+from fp4lab.analysis.recipe import (
+    PRESETS, AttentionRecipe, BackwardMode, BackwardP, DeltaSource, PQuant, Product, RowSum,
+    resolve_recipe,
+)
+from fp4lab.formats import BF16, FP8_E4M3FN, QuantSpec, Rounding, get, names, unregister
+
+PRESET_NAMES = [
+    "exact", "bf16", "fp8_per_tensor", "fa3_fp8", "sageattn3", "attn_qat_dropin", "attn_qat",
+    "fa4fp4_directp", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv", "croissattn",
+]
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_every_preset_resolves_by_name_and_documents_itself(name):
+    recipe = resolve_recipe(name)
+    assert isinstance(recipe, AttentionRecipe) and recipe.name == name
+    assert recipe in PRESETS
+    if name != "exact":
+        assert "Assumption" in recipe.doc, f"{name} must state its assumptions"
+    assert any(src in recipe.doc for src in ("arXiv", "fp4-fa4", "talk", "FlashAttention")), recipe.doc
+
+
+@pytest.mark.parametrize("name", [n for n in PRESET_NAMES if n != "bf16"])
+def test_presets_are_in_the_shared_registry(name):
+    assert get(name) is resolve_recipe(name)
+    assert name in names(AttentionRecipe)
+
+
+def test_bf16_preset_shares_its_name_with_the_format():
+    # "bf16" is the format's name in the one registry; as a recipe name it is the preset.
+    assert get("bf16") is BF16
+    recipe = resolve_recipe("bf16")
+    assert all(s is BF16 for s in (getattr(recipe, f) for p in Product for f in p.fields))
+
+
+def test_a_format_name_is_a_uniform_recipe():
+    recipe = resolve_recipe("nvfp4")
+    assert recipe.name == "nvfp4"
+    assert {getattr(recipe, f) for p in Product for f in p.fields} == {get("nvfp4")}
+
+
+def test_user_recipe_registered_works_everywhere():
+    from fp4lab.formats import register
+
+    mine = AttentionRecipe(name="test_mine_mxfp8_v", v="mxfp8_e4m3")
+    register(mine)
+    try:
+        q, k, v = (torch.randn(1, 2, 20, 32, dtype=torch.float64) for _ in range(3))
+        by_name = attention(q, k, v, "test_mine_mxfp8_v", block_m=16, block_n=32)
+        by_object = attention(q, k, v, mine, block_m=16, block_n=32)
+        assert torch.equal(by_name, by_object)
+        assert not torch.equal(by_name, attention(q, k, v, "exact", block_m=16, block_n=32))
+    finally:
+        unregister("test_mine_mxfp8_v")
+
+
+def test_operands_given_by_name_resolve_to_objects():
+    recipe = AttentionRecipe(name="x", q="nvfp4", p="fp8_e4m3fn")
+    assert recipe.q is get("nvfp4") and recipe.p is FP8_E4M3FN and recipe.k is None
+
+
+def test_unknown_operand_name_names_the_field():
+    with pytest.raises(ValueError, match="dq_k"):
+        AttentionRecipe(name="x", dq_k="no_such_format")
+
+
+def test_operand_of_wrong_type_is_a_type_error():
+    with pytest.raises(TypeError, match="q must be"):
+        AttentionRecipe(name="x", q=3)
+
+
+def test_enum_fields_parse_strings_and_reject_unknown_values():
+    recipe = AttentionRecipe(name="x", row_sum="quantized_p", backward_p="unquantized_qk")
+    assert recipe.row_sum is RowSum.QUANTIZED_P and recipe.backward_p is BackwardP.UNQUANTIZED_QK
+    with pytest.raises(ValueError, match="delta must be one of"):
+        AttentionRecipe(name="x", delta="sometimes")
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, 3.0, float("inf"), 0.75])
+def test_prescales_must_be_powers_of_two(bad):
+    with pytest.raises(ValueError, match="p_prescale"):
+        AttentionRecipe(name="x", p_prescale=bad)
+
+
+def test_straight_through_rejects_backward_operands():
+    with pytest.raises(ValueError, match="dv_do"):
+        AttentionRecipe(name="x", backward=BackwardMode.STRAIGHT_THROUGH, dv_do="nvfp4")
+
+
+def test_row_scaled_p_needs_a_spec_without_tensor_scale():
+    with pytest.raises(ValueError, match="tensor_scale"):
+        AttentionRecipe(name="x", p="nvfp4", p_quant=PQuant.ROW_SCALED)
+
+
+def test_direct_p_needs_e2m1_blocks():
+    with pytest.raises(ValueError, match="FP4_E2M1"):
+        AttentionRecipe(name="x", p="mxfp8_e4m3", p_quant=PQuant.DIRECT)
+    with pytest.raises(ValueError, match="1-D blocks"):
+        AttentionRecipe(name="x", p=FP8_E4M3FN, p_quant=PQuant.DIRECT)
+    with pytest.raises(ValueError, match="direct_p_affine"):
+        AttentionRecipe(name="x", p="mxfp4", direct_p_affine=(1.5, 1.2))
+
+
+def test_resolve_recipe_errors():
+    with pytest.raises(ValueError, match="recipe: unknown name"):
+        resolve_recipe("no_such_recipe")
+    with pytest.raises(TypeError, match="recipe must be"):
+        resolve_recipe(42)
+
+
+def test_recipes_are_frozen_and_keyword_only():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolve_recipe("exact").q = get("nvfp4")
+    with pytest.raises(TypeError):
+        AttentionRecipe("positional")
+
+
+def test_products_name_their_operands_and_fields():
+    assert Product.DV.fields == ("dv_p", "dv_do") and Product.DV.operand_names == ("p", "do")
+    assert [p.value for p in Product] == ["qk", "pv", "dv", "dp", "dq", "dk"]
+    recipe = resolve_recipe("fa4fp4_causal")
+    assert recipe.operands("dp") == (get("fp8_e5m2_tensor"), get("fp8_e4m3_tensor"))
+
+
+# -- the presets' literals say what their docstrings say -------------------------------------------
+def test_preset_literals():
+    nvfp4 = get("nvfp4")
+    sage = resolve_recipe("sageattn3")
+    assert sage.smooth_k and sage.smooth_q and sage.p_quant is PQuant.ROW_SCALED
+    assert sage.q.element.name == "fp4_e2m1" and sage.q.block == (16,) and not sage.q.tensor_scale
+    qat, dropin = resolve_recipe("attn_qat"), resolve_recipe("attn_qat_dropin")
+    assert qat.backward is BackwardMode.STRAIGHT_THROUGH and qat.delta is DeltaSource.UNQUANTIZED_P_OUTPUT
+    assert dropin.backward_p is BackwardP.UNQUANTIZED_QK and dropin.delta is DeltaSource.OUTPUT
+    assert (qat.q, qat.k, qat.v, qat.p) == (dropin.q, dropin.k, dropin.v, dropin.p)
+    direct = resolve_recipe("fa4fp4_directp")
+    assert direct.direct_p_affine == (1.50, 1.20) and direct.row_sum is RowSum.QUANTIZED_P
+    assert direct.p is get("mxfp4") and direct.v is get("mxfp4") and direct.q is nvfp4
+    causal, mx = resolve_recipe("fa4fp4_causal"), resolve_recipe("fa4fp4_causal_mxfp4pv")
+    assert causal.dv_do.element.name == "fp8_e5m2" and causal.dp_do.element.name == "fp8_e5m2"
+    assert {causal.dq_k.element.name, causal.dk_q.element.name, causal.dp_v.element.name} == {"fp8_e4m3fn"}
+    assert causal.p is FP8_E4M3FN and mx.p is get("mxfp4") and mx.p_quant is PQuant.DIRECT
+    assert {f: getattr(causal, f) for f in ("dv_p", "dq_ds", "dk_ds")} == {f: getattr(mx, f) for f in ("dv_p", "dq_ds", "dk_ds")}
+    croiss = resolve_recipe("croissattn")
+    assert croiss.row_sum is RowSum.QUANTIZED_P and croiss.stochastic
+    assert all(isinstance(s, QuantSpec) for s in (getattr(croiss, f) for p in Product for f in p.fields))
+    assert croiss.q.rounding is Rounding.NEAREST_EVEN and croiss.dq_ds.rounding is Rounding.STOCHASTIC
+    fa3 = resolve_recipe("fa3_fp8")
+    assert fa3.incoherent_processing and fa3.q.element is FP8_E4M3FN and fa3.p is FP8_E4M3FN
+    assert not any(r.stochastic for r in PRESETS if r.name != "croissattn")
