@@ -68,18 +68,24 @@ class ScaleArithmetic(enum.Enum):
     """OCP MX reference: d = fl(A / (M_s * M_e)); power-of-two rules read a' = fl(a / d);
     the other rules round t = fl(a' / M_e); elements are x / fl(s * d), a single correctly
     rounded division (for power-of-two s, exactly x * 2^-log2 s). A zero scale leaves its
-    all-zero block at zero. A block holding inf or NaN gets a NaN scale (OCP)."""
+    all-zero block at zero. A block holding inf or NaN gets a NaN scale (OCP), so it
+    dequantizes to NaN while the other blocks are unaffected."""
 
     TE_ENCODE = "te_encode"
     """NVIDIA Transformer Engine's NVFP4 reference quantizer: encode scale
     g = min(fl((M_s * M_e) / A), FLT_MAX), replaced by 1 when it is 0; d = fl(1 / g);
     t = min(fl(a * fl(g * fl(1 / M_e))), FLT_MAX); elements are
-    x * min(fl(1 / fl(s * d)), FLT_MAX). Without a tensor scale g = d = 1."""
+    x * min(fl(1 / fl(s * d)), FLT_MAX). Without a tensor scale g = d = 1.
+    NaN and inf, as TE's reference: a NaN anywhere reaches every block through A (all NaN);
+    an infinite A makes g = 0, replaced by 1, so inf saturates to M_e * M_s and the rest of
+    its block flushes. A tiny A (all subnormal) saturates g at FLT_MAX and flushes."""
 
     TORCHAO_DECODE = "torchao_decode"
     """torchao's ``nvfp4_quantize``: d = fl(A / fl(M_s * M_e)); t = fl(fl(a / M_e) / d);
     elements are x * fl(fl(1 / d) / s). Without a tensor scale t = fl(a / M_e) and
-    elements are x * fl(1 / s)."""
+    elements are x * fl(1 / s). NaN and inf, as torchao: with a tensor scale a NaN or an
+    inf anywhere, and an all-zero tensor (d = 0), make every block NaN; without one, a NaN
+    makes its block NaN and an inf saturates to M_e * M_s."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +160,8 @@ class QuantSpec:
 
     @property
     def bits_per_element(self) -> float:
-        """Storage cost: element bits plus the block scale's share (tensor scale ignored)."""
+        """Information per element: element bits plus the block scale's bits over the block
+        (UE4M3 counts 7, though hardware stores it in a byte); the tensor scale is ignored."""
         if self.block_size is None:
             return float(self.element.bits)
         return self.element.bits + self.scale.bits / self.block_size

@@ -411,3 +411,14 @@ def test_cuda_gives_the_cpu_bits(preset, rounding):
     assert torch.equal(gpu.codes.cpu(), cpu.codes)
     assert torch.equal(gpu.scales.cpu().nan_to_num(-1.0), cpu.scales.nan_to_num(-1.0))
     assert_same_bits(fake_quantize(x.cuda(), spec, rounding=rounding, generator=3).cpu(), cpu.dequantize(), x, preset)
+
+
+def test_torchao_presets_follow_torchao_on_nan_and_inf():
+    x = torch.randn(2, 32)
+    x[0, 3] = math.inf
+    assert torch.isnan(fake_quantize(x, "torchao_nvfp4")).all()
+    one_level = fake_quantize(x, "torchao_nvfp4_1level")
+    assert one_level[0, 3].item() == 6.0 * 448.0 and torch.isfinite(one_level).all()
+    x[0, 3] = math.nan
+    one_level = fake_quantize(x, "torchao_nvfp4_1level")
+    assert torch.isnan(one_level[0, :16]).all() and torch.isfinite(one_level[0, 16:]).all()
