@@ -24,7 +24,9 @@ with warnings.catch_warnings():
     from torchao.prototype.mx_formats.kernels import unpack_uint4
     from torchao.prototype.mx_formats.mx_tensor import MXTensor, to_mx
     from torchao.prototype.mx_formats.nvfp4_tensor import (
-        NVFP4Tensor, nvfp4_quantize, per_tensor_amax_to_scale,
+        NVFP4Tensor,
+        nvfp4_quantize,
+        per_tensor_amax_to_scale,
     )
 
 
@@ -90,7 +92,7 @@ def main():
         x = torch.randn(size, size, generator=gen)
         for recipe, (reference, check) in CASES.items():
             same = check(x)
-            ours = median_seconds(lambda t: fp4lab.fake_quantize(t, recipe), x, args.repeats)
+            ours = median_seconds(lambda t, r=recipe: fp4lab.fake_quantize(t, r), x, args.repeats)
             theirs = median_seconds(reference, x, args.repeats)
             print(f"{recipe:<14} {f'{size}x{size}':>11} {str(same):>9} {ours * 1e3:>10.1f} "
                   f"{theirs * 1e3:>10.1f} {theirs / ours:>7.2f}x")

@@ -7,8 +7,16 @@ recipes on the GPU. See the README for a tour.
 """
 
 from fp4lab.formats import (
-    FloatFormat, QuantizedTensor, QuantSpec, Rounding, ScaleArithmetic, ScaleRule, Specials,
-    fake_quantize, quantize, round_to_format,
+    FloatFormat,
+    QuantizedTensor,
+    QuantSpec,
+    Rounding,
+    ScaleArithmetic,
+    ScaleRule,
+    Specials,
+    fake_quantize,
+    quantize,
+    round_to_format,
 )
 
 __version__ = "0.1.0"

@@ -4,19 +4,43 @@ This package imports nothing else of fp4lab; everything else stands on it.
 """
 
 from fp4lab.formats.float_format import FloatFormat, Specials
+from fp4lab.formats.interop import (
+    ml_dtype,
+    pack_codes,
+    to_ml_dtypes,
+    to_torch,
+    torch_dtype,
+    unpack_codes,
+)
 from fp4lab.formats.named import (
-    BF16, FORMATS, FP4_E2M1, FP6_E2M3, FP6_E3M2, FP8_E4M3FN, FP8_E4M3FNUZ, FP8_E5M2, FP8_E5M2FNUZ,
-    FP16, FP32, INT4, INT8, UE4M3, UE5M3, UE5M3_IEEE, UE8M0,
+    BF16,
+    FORMATS,
+    FP4_E2M1,
+    FP6_E2M3,
+    FP6_E3M2,
+    FP8_E4M3FN,
+    FP8_E4M3FNUZ,
+    FP8_E5M2,
+    FP8_E5M2FNUZ,
+    FP16,
+    FP32,
+    INT4,
+    INT8,
+    UE4M3,
+    UE5M3,
+    UE5M3_IEEE,
+    UE8M0,
+)
+from fp4lab.formats.quantize import (
+    QuantizedTensor,
+    fake_quantize,
+    hadamard_matrix,
+    quantize,
+    resolve_spec,
 )
 from fp4lab.formats.registry import get, names, register, unregister
 from fp4lab.formats.rounding import Rounding, as_generator, round_to_format
 from fp4lab.formats.spec import PRESETS, QuantSpec, ScaleArithmetic, ScaleRule
-from fp4lab.formats.quantize import (
-    QuantizedTensor, fake_quantize, hadamard_matrix, quantize, resolve_spec,
-)
-from fp4lab.formats.interop import (
-    ml_dtype, pack_codes, to_ml_dtypes, to_torch, torch_dtype, unpack_codes,
-)
 
 __all__ = [
     "FloatFormat", "Specials", "Rounding", "round_to_format", "as_generator", "QuantSpec",

@@ -83,7 +83,7 @@ class QuantizedTensor:
     @classmethod
     def from_packed(
         cls, packed: torch.Tensor, *, shape, scales, tensor_scale, spec: QuantSpec, axis: int
-    ) -> "QuantizedTensor":
+    ) -> QuantizedTensor:
         """Rebuild a QuantizedTensor from `packed()` bytes and its scales."""
         spec = resolve_spec(spec)
         codes = unpack_codes(packed, spec.element.bits, tuple(shape), spec.element.code_dtype)

@@ -52,7 +52,7 @@ class Rounding(enum.Enum):
     2^-r of a quantum."""
 
     @classmethod
-    def parse(cls, value: "Rounding | str") -> "Rounding":
+    def parse(cls, value: Rounding | str) -> Rounding:
         """A member from itself or its name (``"nearest_even"``, ...)."""
         if isinstance(value, cls):
             return value

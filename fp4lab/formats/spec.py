@@ -20,7 +20,16 @@ from dataclasses import dataclass
 
 from fp4lab.formats.float_format import FloatFormat
 from fp4lab.formats.named import (
-    FP4_E2M1, FP6_E2M3, FP6_E3M2, FP8_E4M3FN, FP8_E5M2, FP32, INT8, UE4M3, UE5M3, UE8M0,
+    FP4_E2M1,
+    FP6_E2M3,
+    FP6_E3M2,
+    FP8_E4M3FN,
+    FP8_E5M2,
+    FP32,
+    INT8,
+    UE4M3,
+    UE5M3,
+    UE8M0,
 )
 from fp4lab.formats.registry import register
 from fp4lab.formats.rounding import Rounding
