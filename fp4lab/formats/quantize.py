@@ -56,6 +56,8 @@ class QuantizedTensor:
         tensor_scale: float32 0-dim per-tensor decode scale, or None.
         spec: the recipe.
         axis: the quantized axis (non-negative).
+        batch_dims: leading dims that index independent tensors (see `quantize`); scales
+            and tensor_scale then carry those dims first.
     """
 
     codes: torch.Tensor
@@ -63,6 +65,7 @@ class QuantizedTensor:
     tensor_scale: torch.Tensor | None
     spec: QuantSpec
     axis: int
+    batch_dims: int = 0
 
     @property
     def shape(self) -> torch.Size:
@@ -74,7 +77,7 @@ class QuantizedTensor:
 
     def expanded_scales(self) -> torch.Tensor:
         """The block scale of every element, float32, x's shape."""
-        return _layout(self.spec, self.shape, self.axis).expand(self.scales)
+        return _layout(self.spec, self.shape, self.axis, self.batch_dims).expand(self.scales)
 
     def packed(self) -> torch.Tensor:
         """The codes packed densely into bytes (two FP4 codes a byte; see interop)."""
@@ -82,12 +85,13 @@ class QuantizedTensor:
 
     @classmethod
     def from_packed(
-        cls, packed: torch.Tensor, *, shape, scales, tensor_scale, spec: QuantSpec, axis: int
+        cls, packed: torch.Tensor, *, shape, scales, tensor_scale, spec: QuantSpec, axis: int,
+        batch_dims: int = 0,
     ) -> QuantizedTensor:
         """Rebuild a QuantizedTensor from `packed()` bytes and its scales."""
         spec = resolve_spec(spec)
         codes = unpack_codes(packed, spec.element.bits, tuple(shape), spec.element.code_dtype)
-        return cls(codes, scales, tensor_scale, spec, axis)
+        return cls(codes, scales, tensor_scale, spec, axis, batch_dims)
 
     def to_torch(self) -> torch.Tensor:
         """The element codes as torch's float8 / float4_e2m1fn_x2 dtype (no scales applied)."""
@@ -115,6 +119,7 @@ def quantize(
     axis: int = -1,
     rounding: Rounding | str | None = None,
     generator: torch.Generator | int | None = None,
+    batch_dims: int = 0,
 ) -> QuantizedTensor:
     """Block-quantize x with `spec` (a QuantSpec or a registered name).
 
@@ -126,31 +131,50 @@ def quantize(
             along it. Ignored (but checked) for per-tensor recipes.
         rounding: element rounding; None uses the spec's.
         generator: torch.Generator or int seed, required for stochastic rounding.
+        batch_dims: the leading `batch_dims` dims index independent tensors: the per-tensor
+            amax, the second-level scale and a per-tensor spec's one scale are taken for each
+            of them (e.g. each (block_m, block_n) tile of a batch of attention tiles, as a
+            fused kernel sees them). Blocks never span them; axis must not be one of them.
     """
     spec = resolve_spec(spec)
-    layout, values, scales, tensor_scale = _quantize_blocks(x, spec, axis, rounding, generator)
-    codes = layout.from_blocks(spec.element.encode(values))
-    return QuantizedTensor(codes, layout.scales_out(scales), tensor_scale, spec, layout.axis)
+    blocked = _quantize_blocks(x, spec, axis, rounding, generator, batch_dims)
+    layout = blocked.layout
+    codes = layout.from_blocks(spec.element.encode(blocked.values))
+    tensor_scale = None if blocked.decode is None else layout.tensor_scale_out(blocked.decode)
+    scales = layout.scales_out(blocked.scales)
+    return QuantizedTensor(codes, scales, tensor_scale, spec, layout.axis, batch_dims)
 
 
-def _quantize_blocks(x, spec: QuantSpec, axis, rounding, generator):
-    """Steps 1-5 of the pipeline: (layout, element values in blocks, block scales, tensor scale)."""
+@dataclass
+class _Blocked:
+    """The pipeline's result in block layout: element values (..., blocks, block elements),
+    block scales (..., blocks) and the decode scale broadcastable to them (or None)."""
+
+    layout: object
+    values: torch.Tensor
+    scales: torch.Tensor
+    decode: torch.Tensor | None
+
+
+def _quantize_blocks(x, spec: QuantSpec, axis, rounding, generator, batch_dims: int) -> _Blocked:
+    """Steps 1-5 of the pipeline."""
     _check_tensor(x, "x")
-    axis = _normalize_axis(axis, x.ndim, spec)
+    axis = _normalize_axis(axis, x.ndim, spec, batch_dims)
     rounding = spec.rounding if rounding is None else Rounding.parse(rounding)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     xw = x.detach().to(work)
     if spec.hadamard is not None:
         xw = _hadamard(xw, spec, axis, inverse=False)
-    layout = _layout(spec, x.shape, axis)
+    layout = _layout(spec, x.shape, axis, batch_dims)
     blocks = layout.to_blocks(xw)  # (..., blocks, block elements)
-    amax = _block_amax(blocks)
-    scales, tensor_scale, scaled = _scale(blocks, amax.float(), spec)
+    amax = _block_amax(blocks).float()
+    decode, encode = _tensor_scales(amax, spec, batch_dims)
+    scales, scaled = _scale(blocks, amax, decode, encode, spec)
     values = round_to_format(
         scaled, spec.element, rounding=rounding, saturate=True, generator=generator,
         sr_bits=spec.sr_bits,
     )
-    return layout, values, scales, tensor_scale
+    return _Blocked(layout, values, scales, decode)
 
 
 def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
@@ -161,12 +185,13 @@ def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     return torch.maximum(high, -low)
 
 
-def _fake_quantize(x, spec: QuantSpec, axis, rounding, generator) -> torch.Tensor:
+def _fake_quantize(x, spec: QuantSpec, axis, rounding, generator, batch_dims) -> torch.Tensor:
     """quantize(...).dequantize(x.dtype) without building codes: the same float32 products."""
-    layout, values, scales, tensor_scale = _quantize_blocks(x, spec, axis, rounding, generator)
-    out = values.float().mul_(scales.unsqueeze(-1))  # values is ours: in place
-    if tensor_scale is not None:
-        out.mul_(tensor_scale)
+    blocked = _quantize_blocks(x, spec, axis, rounding, generator, batch_dims)
+    layout = blocked.layout
+    out = blocked.values.float().mul_(blocked.scales.unsqueeze(-1))  # ours: in place
+    if blocked.decode is not None:
+        out.mul_(blocked.decode.unsqueeze(-1))
     out = layout.from_blocks(out)
     if spec.hadamard is not None:
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -176,12 +201,12 @@ def _fake_quantize(x, spec: QuantSpec, axis, rounding, generator) -> torch.Tenso
 
 class _FakeQuantize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, spec, axis, rounding, generator):
-        return _fake_quantize(x, spec, axis, rounding, generator)
+    def forward(ctx, x, spec, axis, rounding, generator, batch_dims):
+        return _fake_quantize(x, spec, axis, rounding, generator, batch_dims)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def fake_quantize(
@@ -191,17 +216,18 @@ def fake_quantize(
     axis: int = -1,
     rounding: Rounding | str | None = None,
     generator: torch.Generator | int | None = None,
+    batch_dims: int = 0,
 ) -> torch.Tensor:
-    """quantize then dequantize to x's dtype; the gradient passes straight through."""
-    return _FakeQuantize.apply(x, resolve_spec(spec), axis, rounding, generator)
+    """quantize then dequantize to x's dtype (the same bits as ``quantize(...).dequantize``);
+    the gradient passes straight through. Arguments as `quantize`."""
+    return _FakeQuantize.apply(x, resolve_spec(spec), axis, rounding, generator, batch_dims)
 
 
 # -- scale arithmetic ---------------------------------------------------------------------------
-def _scale(blocks: torch.Tensor, amax: torch.Tensor, spec: QuantSpec):
-    """Block scales (float32), tensor decode scale (float32 or None), scaled elements."""
+def _scale(blocks, amax, decode, encode, spec: QuantSpec):
+    """Block scales (float32) and the scaled elements, in the spec's arithmetic."""
     arith = spec.arithmetic
     m_e = spec.element.max
-    decode, encode = _tensor_scales(amax, spec)
     # -- the scale's input: a' for power-of-two rules, t = a'/M_e for the others --
     if arith is ScaleArithmetic.TE_ENCODE:
         scaled_amax = amax * encode
@@ -225,7 +251,7 @@ def _scale(blocks: torch.Tensor, amax: torch.Tensor, spec: QuantSpec):
     else:
         factor = (1.0 / d) / s if decode is not None else 1.0 / s
         scaled = blocks * factor.unsqueeze(-1).to(blocks.dtype)
-    return s, decode, scaled
+    return s, scaled
 
 
 def _true_div(a: torch.Tensor, b: float) -> torch.Tensor:
@@ -234,19 +260,29 @@ def _true_div(a: torch.Tensor, b: float) -> torch.Tensor:
     return a / torch.tensor(b, dtype=a.dtype, device=a.device)
 
 
-def _tensor_scales(amax: torch.Tensor, spec: QuantSpec):
-    """(decode, encode) per-tensor scales in float32; (None, 1) without a tensor scale."""
+def _tensor_scales(amax: torch.Tensor, spec: QuantSpec, batch_dims: int):
+    """(decode, encode) second-level scales in float32, one per tensor of the batch, shaped to
+    broadcast against the block amax; (None, 1) without a tensor scale."""
     one = torch.ones((), dtype=torch.float32)
     if not spec.tensor_scale:
         return None, one
-    big = torch.tensor(spec.scale.max * spec.element.max, dtype=torch.float32)
-    tensor_amax = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32)
+    big = torch.tensor(spec.scale.max * spec.element.max, dtype=torch.float32, device=amax.device)
+    tensor_amax = _amax_beyond(amax, batch_dims)
     if spec.arithmetic is ScaleArithmetic.TE_ENCODE:
         encode = torch.clamp(big / tensor_amax, max=_FLT_MAX)
         encode = torch.where(encode == 0, one, encode)
         return 1.0 / encode, encode
-    decode = tensor_amax / big.to(tensor_amax.device)
+    decode = tensor_amax / big
     return decode, one / decode
+
+
+def _amax_beyond(amax: torch.Tensor, batch_dims: int) -> torch.Tensor:
+    """max over every dim after the first `batch_dims`, kept as size-1 dims (0 if empty)."""
+    dims = tuple(range(batch_dims, amax.ndim))
+    if amax.numel() == 0 or not dims:
+        shape = amax.shape[:batch_dims] + (1,) * len(dims)
+        return amax if not dims else amax.new_zeros(shape)
+    return amax.amax(dim=dims, keepdim=True)
 
 
 def _round_scale(scaled_amax: torch.Tensor, t: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -281,14 +317,20 @@ def _power_of_two_scale(a: torch.Tensor, rule: ScaleRule, element: FloatFormat, 
 
 
 # -- layouts ------------------------------------------------------------------------------------
-def _normalize_axis(axis: int, ndim: int, spec: QuantSpec) -> int:
+def _normalize_axis(axis: int, ndim: int, spec: QuantSpec, batch_dims: int = 0) -> int:
     if not isinstance(axis, int) or isinstance(axis, bool):
         raise TypeError(f"axis must be an int, got {axis!r}")
+    if not isinstance(batch_dims, int) or not 0 <= batch_dims <= ndim:
+        raise ValueError(f"batch_dims must be an int in [0, {ndim}] for x with {ndim} dims, got {batch_dims!r}")
+    if spec.block is not None and batch_dims and batch_dims > ndim - len(spec.block):
+        raise ValueError(f"batch_dims={batch_dims} leaves no dims for the blocks {spec.block} of x with {ndim} dims")
     if ndim == 0 and spec.block is None:
         return 0
     if not -ndim <= axis < ndim:
         raise ValueError(f"axis={axis} is out of range for x with {ndim} dims")
     axis = axis % ndim
+    if spec.block is not None and len(spec.block) == 1 and axis < batch_dims:
+        raise ValueError(f"axis={axis} is one of the batch_dims={batch_dims}: blocks never span tensors")
     if spec.block is not None and len(spec.block) == 2:
         if ndim < 2:
             raise ValueError(f"spec {spec.name} has 2-D blocks {spec.block}: x needs at least 2 dims, has {ndim}")
@@ -297,34 +339,51 @@ def _normalize_axis(axis: int, ndim: int, spec: QuantSpec) -> int:
     return axis
 
 
-def _layout(spec: QuantSpec, shape: torch.Size, axis: int):
+def _layout(spec: QuantSpec, shape: torch.Size, axis: int, batch_dims: int = 0):
     if spec.block is None:
-        return _PerTensor(shape, axis)
+        return _PerTensor(shape, axis, batch_dims)
     if len(spec.block) == 1:
-        return _Blocks1D(shape, axis, spec.block[0])
-    return _Tiles2D(shape, axis, spec.block)
+        return _Blocks1D(shape, axis, spec.block[0], batch_dims)
+    return _Tiles2D(shape, axis, spec.block, batch_dims)
 
 
-class _PerTensor:
-    def __init__(self, shape, axis):
-        self.shape, self.axis = shape, axis
+class _Layout:
+    """How x's elements are grouped into blocks. Subclasses give to_blocks / from_blocks
+    (x's layout <-> (..., blocks, block elements)), scales_out / expand (block scales in
+    the user's layout, and broadcast to every element)."""
+
+    def __init__(self, shape, axis, batch_dims):
+        self.shape, self.axis, self.batch_dims = shape, axis, batch_dims
+
+    def tensor_scale_out(self, decode: torch.Tensor) -> torch.Tensor:
+        """The decode scale as a 0-dim tensor, or batch shape + size-1 dims (x's rank)."""
+        if self.batch_dims == 0:
+            return decode.reshape(())
+        return decode.reshape(*self.shape[: self.batch_dims], *[1] * (len(self.shape) - self.batch_dims))
+
+
+class _PerTensor(_Layout):
+    def _batch(self):
+        return tuple(self.shape[: self.batch_dims])
 
     def to_blocks(self, x):
-        return x.reshape(1, -1)
+        return x.reshape(*self._batch(), 1, -1)
 
     def from_blocks(self, b):
         return b.reshape(self.shape)
 
     def scales_out(self, s):
-        return s.reshape(())
+        return s.reshape(self._batch())
 
     def expand(self, s):
-        return s.reshape(()).expand(self.shape)
+        rest = len(self.shape) - self.batch_dims
+        return s.reshape(*self._batch(), *[1] * rest).expand(self.shape)
 
 
-class _Blocks1D:
-    def __init__(self, shape, axis, size):
-        self.shape, self.axis, self.size = shape, axis, size
+class _Blocks1D(_Layout):
+    def __init__(self, shape, axis, size, batch_dims):
+        super().__init__(shape, axis, batch_dims)
+        self.size = size
         self.n = shape[axis] if len(shape) else 1
         self.nblocks = -(-self.n // size)
 
@@ -346,11 +405,11 @@ class _Blocks1D:
         return s.movedim(-1, self.axis)
 
 
-class _Tiles2D:
+class _Tiles2D(_Layout):
     """Tiles (r, c) over the last two dims; with axis = ndim - 2 the tile is transposed."""
 
-    def __init__(self, shape, axis, block):
-        self.shape, self.axis = shape, axis
+    def __init__(self, shape, axis, block, batch_dims):
+        super().__init__(shape, axis, batch_dims)
         self.transposed = axis == len(shape) - 2
         self.r, self.c = block
         rows, cols = shape[-2:] if not self.transposed else (shape[-1], shape[-2])

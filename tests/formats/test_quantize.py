@@ -422,3 +422,30 @@ def test_torchao_presets_follow_torchao_on_nan_and_inf():
     x[0, 3] = math.nan
     one_level = fake_quantize(x, "torchao_nvfp4_1level")
     assert torch.isnan(one_level[0, :16]).all() and torch.isfinite(one_level[0, 16:]).all()
+
+
+# -- batch_dims: independent tensors in one call --------------------------------------------------
+@pytest.mark.parametrize("preset", ["nvfp4", "nvfp4_2d", "torchao_nvfp4", "fp8_e4m3_tensor", "mxfp4"])
+def test_batch_dims_equal_quantizing_each_tensor_alone(preset):
+    x = spread((3, 2, 32, 48), seed=8, low=-5, high=5)
+    x[1, 0] *= 1000.0  # a tensor with a much larger amax must not change the others
+    q = quantize(x, preset, batch_dims=2)
+    for i in range(3):
+        for j in range(2):
+            alone = quantize(x[i, j], preset)
+            assert torch.equal(q.codes[i, j], alone.codes)
+            assert torch.equal(q.scales[i, j], alone.scales)
+            if alone.tensor_scale is not None:
+                assert q.tensor_scale.shape == (3, 2, 1, 1)
+                assert torch.equal(q.tensor_scale[i, j, 0, 0], alone.tensor_scale)
+    assert_same_bits(fake_quantize(x, preset, batch_dims=2), q.dequantize(), x, preset)
+
+
+def test_batch_dims_bad_values():
+    x = torch.randn(2, 3, 32)
+    with pytest.raises(ValueError, match="batch_dims must be an int in"):
+        quantize(x, "nvfp4", batch_dims=4)
+    with pytest.raises(ValueError, match="blocks never span tensors"):
+        quantize(x, "nvfp4", axis=0, batch_dims=1)
+    with pytest.raises(ValueError, match="leaves no dims for the blocks"):
+        quantize(x, "nvfp4_2d", batch_dims=2)
