@@ -153,10 +153,12 @@ class BackwardMode(enum.Enum):
     starting again from the unquantized Q, K, V, dO and the rebuilt P."""
 
     STRAIGHT_THROUGH = "straight_through"
-    """The exact gradient of the fake-quantized forward with straight-through quantizers
-    (Attn-QAT, arXiv 2603.00040): dV = P^^T dO with P^ the forward's quantization of the
-    rebuilt P, dP = dO V^^T, dQ = dS K^, dK = dS^T Q^ with the forward's Q^, K^, V^; dO and
-    dS are not quantized. The backward fields must then be None."""
+    """Attn-QAT's backward (arXiv 2603.00040), straight through the forward's quantizers:
+    the forward's Q^, K^, V^ and P^ (the forward's quantization of the rebuilt P) are the
+    operands, dV = P^^T dO, dP = dO V^^T, dQ = dS K^, dK = dS^T Q^, while the softmax's
+    gradient treats P as unquantized, dS = P * (dP - D); dO and dS are not quantized. With
+    `delta=UNQUANTIZED_P_OUTPUT`, D = sum_j P_ij dP_ij, so dS is exactly the gradient of
+    softmax(S) V^. The backward fields must be None."""
 
 
 class BackwardP(enum.Enum):
@@ -181,8 +183,9 @@ class DeltaSource(enum.Enum):
 
     UNQUANTIZED_P_OUTPUT = "unquantized_p_output"
     """O' = (sum_j P_ij V^_j) / (sum_j P_ij), a second output from the unquantized P and the
-    quantized V (Attn-QAT). With straight-through quantizers this is the exact D:
-    D_i = sum_j A_ij dP_ij with A = softmax(S) and dP = dO V^^T."""
+    quantized V (Attn-QAT). Then D_i = sum_j A_ij dP_ij with A = softmax(S) and
+    dP = dO V^^T, the identity FlashAttention's D stands for, so every row of dS sums to
+    zero; D from the quantized output breaks it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -524,9 +527,11 @@ def ATTN_QAT() -> AttentionRecipe:
     high-precision output O' (unquantized P); the row sum l accumulates unquantized P;
     gradients pass straight through the quantizers.
 
-    Assumptions: the forward as in `attn_qat_dropin`; "straight through" is read as the
-    exact gradient of the fake-quantized forward (BackwardMode.STRAIGHT_THROUGH), so dP, dQ
-    and dK use the forward's V^, K^, Q^ and O' = (P V^) / l. dO and dS stay unquantized."""
+    Assumptions: the forward as in `attn_qat_dropin`; "straight through" is read as
+    BackwardMode.STRAIGHT_THROUGH: dV = P^^T dO with the forward's quantization of P, dP,
+    dQ and dK from the forward's V^, K^, Q^, and dS = P * (dP - D) with the unquantized P
+    and D = rowsum(dO * O'), O' = (P V^) / l: the gradient of softmax(S^) V^ for S^, Q^,
+    K^. dO and dS stay unquantized."""
     return _attn_qat_forward(
         "attn_qat", backward=BackwardMode.STRAIGHT_THROUGH, backward_p=BackwardP.QUANTIZED_QK,
         delta=DeltaSource.UNQUANTIZED_P_OUTPUT,
