@@ -21,40 +21,31 @@ def _layout(fmt: FloatFormat) -> tuple:
     return (fmt.ebits, fmt.mbits, fmt.bias, fmt.signed, fmt.subnormals, fmt.specials)
 
 
-_TORCH_NAMES = {
-    (4, 3, 7, True, True, Specials.FN): "float8_e4m3fn",
-    (5, 2, 15, True, True, Specials.IEEE): "float8_e5m2",
-    (4, 3, 8, True, True, Specials.FNUZ): "float8_e4m3fnuz",
-    (5, 2, 16, True, True, Specials.FNUZ): "float8_e5m2fnuz",
-    (8, 0, 127, False, False, Specials.FN): "float8_e8m0fnu",
-    (2, 1, 1, True, True, Specials.NONE): "float4_e2m1fn_x2",
-    (8, 7, 127, True, True, Specials.IEEE): "bfloat16",
-    (5, 10, 15, True, True, Specials.IEEE): "float16",
-    (8, 23, 127, True, True, Specials.IEEE): "float32",
-}
-
-_ML_NAMES = {
-    (4, 3, 7, True, True, Specials.FN): "float8_e4m3fn",
-    (5, 2, 15, True, True, Specials.IEEE): "float8_e5m2",
-    (4, 3, 8, True, True, Specials.FNUZ): "float8_e4m3fnuz",
-    (5, 2, 16, True, True, Specials.FNUZ): "float8_e5m2fnuz",
-    (8, 0, 127, False, False, Specials.FN): "float8_e8m0fnu",
-    (2, 1, 1, True, True, Specials.NONE): "float4_e2m1fn",
-    (3, 2, 3, True, True, Specials.NONE): "float6_e3m2fn",
-    (2, 3, 1, True, True, Specials.NONE): "float6_e2m3fn",
-    (8, 7, 127, True, True, Specials.IEEE): "bfloat16",
+# layout -> (torch dtype name, ml_dtypes type name); None where that library has no such type.
+_NAMES = {
+    (4, 3, 7, True, True, Specials.FN): ("float8_e4m3fn", "float8_e4m3fn"),
+    (5, 2, 15, True, True, Specials.IEEE): ("float8_e5m2", "float8_e5m2"),
+    (4, 3, 8, True, True, Specials.FNUZ): ("float8_e4m3fnuz", "float8_e4m3fnuz"),
+    (5, 2, 16, True, True, Specials.FNUZ): ("float8_e5m2fnuz", "float8_e5m2fnuz"),
+    (8, 0, 127, False, False, Specials.FN): ("float8_e8m0fnu", "float8_e8m0fnu"),
+    (2, 1, 1, True, True, Specials.NONE): ("float4_e2m1fn_x2", "float4_e2m1fn"),
+    (3, 2, 3, True, True, Specials.NONE): (None, "float6_e3m2fn"),
+    (2, 3, 1, True, True, Specials.NONE): (None, "float6_e2m3fn"),
+    (8, 7, 127, True, True, Specials.IEEE): ("bfloat16", "bfloat16"),
+    (5, 10, 15, True, True, Specials.IEEE): ("float16", None),
+    (8, 23, 127, True, True, Specials.IEEE): ("float32", None),
 }
 
 
 def torch_dtype(fmt: FloatFormat) -> torch.dtype | None:
     """torch's dtype with fmt's layout (FP4 as the packed float4_e2m1fn_x2), or None."""
-    name = _TORCH_NAMES.get(_layout(fmt))
+    name = _NAMES.get(_layout(fmt), (None, None))[0]
     return getattr(torch, name, None) if name else None
 
 
 def ml_dtype(fmt: FloatFormat):
     """ml_dtypes' scalar type with fmt's layout, or None (needs the ml_dtypes package)."""
-    name = _ML_NAMES.get(_layout(fmt))
+    name = _NAMES.get(_layout(fmt), (None, None))[1]
     if name is None:
         return None
     import ml_dtypes
