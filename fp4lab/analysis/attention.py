@@ -55,6 +55,9 @@ __all__ = ["attention", "patch_sdpa", "quantize_operand"]
 # time; query tiles are taken in chunks of at most this size (memory ~ 10x this in floats).
 _CHUNK_ELEMENTS = 1 << 20
 _LOG2E = math.log2(math.e)
+# Relative slack when judging a block scale out of its format's range: NVFP4's tensor scale
+# maps the tensor amax to exactly 448 up to float32 rounding, which is not an overflow.
+_SLACK = 2.0**-20
 
 
 def attention(
@@ -413,9 +416,9 @@ def _flags(blocks, amax, scales, decode, spec: QuantSpec, layout):
     d = decode if decode is not None else torch.ones((), dtype=torch.float32)
     top = spec.element.max * scales * d  # the largest magnitude each block can represent
     clipped = blocks.abs() > top.unsqueeze(-1).to(blocks.dtype)
-    ideal = amax / (spec.element.max * d)
-    under = (amax > 0) & (ideal < spec.scale.min_subnormal)
-    over = ideal > spec.scale.max
+    ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
+    under = (amax > 0) & (ideal < spec.scale.min_subnormal * (1 - _SLACK))
+    over = ideal > spec.scale.max * (1 + _SLACK)
     expand = lambda f: layout.from_blocks(f.unsqueeze(-1).expand(blocks.shape))  # noqa: E731
     return layout.from_blocks(clipped), expand(under), expand(over)
 
