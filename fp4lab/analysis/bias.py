@@ -1,0 +1,225 @@
+"""Is a recipe's gradient unbiased? Averages over stochastic-rounding draws against exact.
+
+What. `gradient_bias(q, k, v, do, recipe, samples=N, seed=s)` runs the recipe's forward and
+backward N times, each with its own stochastic-rounding generator (seeds derived from `s`
+by numpy's `SeedSequence` and recorded), and compares the mean gradient with the exact
+float64 gradient of the same inputs (`compare.exact_reference`).
+
+Why. Stochastic rounding is meant to make each quantized product an unbiased estimate of
+the exact one, so that the errors of many steps average out. Quartet II (arXiv 2601.22813)
+tests this by averaging N independently randomised quantized products: the error of the
+average falls as 1/N in mean squared error without a floor when the estimator is unbiased,
+and flattens at the squared bias when it is not. Here the same test is applied to the
+whole attention backward, per tensor and per tile.
+
+Statistics. For sample i's gradient g_i of a tensor (dQ, dK or dV) and the exact g:
+- the per-sample relative bias along g, x_i = <g_i - g, g> / <g, g> (negative when
+  quantization shrinks the gradient, as flushing, clipping or rounding toward zero do; it is
+  minus Quartet II's magnitude misalignment);
+- ``rel_bias`` = mean_i x_i, ``se`` = std_i(x_i) / sqrt(N) (sample standard deviation),
+  ``t`` = rel_bias / se and ``p_value``, two-sided under Student's t with N - 1 degrees of
+  freedom: the x_i are independent draws, so for an unbiased recipe t follows that law
+  (approximately; x_i is a sum over many elements);
+- ``rel_err_mean`` = ||mean_i g_i - g|| / ||g||, the error of the N-sample average, and
+  ``rel_noise`` = sqrt(sum of per-element variances / N) / ||g||, what that error would be
+  from noise alone; an unbiased recipe has rel_err_mean close to rel_noise;
+- per tile (dQ: batch, head, query tile; dK, dV: batch, kv head, key tile) the same
+  rel_bias, se, t and p_value with the inner products taken over the tile;
+- the convergence curve: for n = 1, 2, 4, ..., N, ``rel_mse`` = ||mean_{i<n} g_i - g||^2 /
+  ||g||^2 and ``noise_only`` = (sum of per-element variances) / n / ||g||^2, the 1/n line
+  an unbiased recipe follows.
+
+A deterministic recipe (no stochastic rounding) gives the same gradient on every draw, so
+its bias is its error: it runs once, ``se`` is 0, ``t`` is +-inf where the bias is nonzero,
+and the result's `note` says so. Its differences from the exact gradient are the recipe's
+deterministic error, not a sampling effect.
+
+Caveat: the bias measured is against exact attention, so a recipe whose forward quantizes
+deterministically (Q, K, V, P rounded to nearest) is biased even if its backward rounds
+stochastically: SR makes the backward's products unbiased given the forward it ran, not the
+forward itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from scipy import stats
+
+from fp4lab.analysis.compare import exact_reference, forward_backward
+from fp4lab.analysis.recipe import AttentionRecipe, resolve_recipe
+
+__all__ = ["GradientBias", "gradient_bias", "derive_seeds"]
+
+GRADIENTS = ("dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class GradientBias:
+    """What `gradient_bias` found (see the module docstring for every column).
+
+    Attributes:
+        recipe: the recipe's name.
+        stochastic: whether the recipe rounds stochastically.
+        samples: the number of draws run (1 for a deterministic recipe).
+        seed: the seed given; `seeds` the generator seed of each draw.
+        tensors: one row per gradient (dq, dk, dv).
+        tiles: one row per gradient and tile.
+        convergence: one row per gradient and n (1, 2, 4, ..., samples).
+        note: how to read the result.
+    """
+
+    recipe: str
+    stochastic: bool
+    samples: int
+    seed: int
+    seeds: tuple[int, ...]
+    tensors: pd.DataFrame
+    tiles: pd.DataFrame
+    convergence: pd.DataFrame
+    note: str
+
+
+def derive_seeds(seed: int, samples: int) -> tuple[int, ...]:
+    """`samples` independent 32-bit generator seeds from `seed` (numpy's SeedSequence)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    return tuple(int(s) for s in np.random.SeedSequence(seed).generate_state(samples, dtype=np.uint32))
+
+
+def gradient_bias(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    recipe: AttentionRecipe | str,
+    *,
+    samples: int = 32,
+    seed: int = 0,
+    causal: bool = False,
+    scale: float | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+) -> GradientBias:
+    """Mean gradient of `recipe` over `samples` stochastic-rounding draws against the exact
+    float64 gradient: per-tensor and per-tile bias, standard error and t-statistic, and the
+    error of the n-sample average as n grows (Quartet II's test; see the module docstring).
+
+    Args:
+        q, k, v, do: as for `compare.compare` (the recipe runs in their dtype).
+        recipe: an `AttentionRecipe` or a registered name.
+        samples: number of draws N (at least 2 for a stochastic recipe; a deterministic
+            recipe runs once whatever N is).
+        seed: the seed the draws' generator seeds are derived from (`derive_seeds`).
+        causal, scale, block_m, block_n: as for `attention`.
+    """
+    recipe = resolve_recipe(recipe)
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < (2 if recipe.stochastic else 1):
+        raise ValueError(f"samples must be an int of at least 2 for stochastic recipe {recipe.name!r}, got {samples!r}")
+    n = samples if recipe.stochastic else 1
+    seeds = derive_seeds(seed, n)
+    options = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)
+    exact = dict(zip(GRADIENTS, exact_reference(q, k, v, do, **options)[1:]))
+    tiles = {name: _tile_shape(name, block_m, block_n) for name in GRADIENTS}
+    acc = {name: _Accumulator(exact[name], tiles[name]) for name in GRADIENTS}
+    for i, s in enumerate(seeds):
+        grads = forward_backward(q, k, v, do, recipe, trace=None, generator=s if recipe.stochastic else None, **options)[1:]
+        for name, g in zip(GRADIENTS, grads):
+            acc[name].add(g, record=_is_checkpoint(i + 1, n))
+    return GradientBias(
+        recipe=recipe.name, stochastic=recipe.stochastic, samples=n, seed=seed, seeds=seeds,
+        tensors=pd.DataFrame([{"tensor": name, **acc[name].tensor_stats()} for name in GRADIENTS]),
+        tiles=pd.concat([acc[name].tile_stats().assign(tensor=name) for name in GRADIENTS], ignore_index=True)
+        .reindex(columns=["tensor", "batch", "head", "tile", "rel_bias", "se", "t", "p_value"]),
+        convergence=pd.concat([acc[name].curve().assign(tensor=name) for name in GRADIENTS], ignore_index=True)
+        .reindex(columns=["tensor", "n", "rel_mse", "noise_only"]),
+        note=_note(recipe, n),
+    )
+
+
+def _note(recipe: AttentionRecipe, n: int) -> str:
+    if recipe.stochastic:
+        return (f"{n} stochastic-rounding draws; t follows Student's t with {n - 1} degrees of "
+                "freedom when the recipe is unbiased")
+    return ("deterministic recipe: every draw gives the same gradient, so the bias is the error "
+            "itself and one sample suffices (se = 0, t = +-inf where the bias is nonzero)")
+
+
+def _tile_shape(name: str, block_m: int, block_n: int) -> int:
+    """Rows of a tile along the sequence: query tiles for dQ, key tiles for dK and dV."""
+    return block_m if name == "dq" else block_n
+
+
+def _is_checkpoint(i: int, n: int) -> bool:
+    """n-sample averages recorded for the convergence curve: powers of two and n itself."""
+    return i == n or (i & (i - 1)) == 0
+
+
+class _Accumulator:
+    """Running sums of one gradient's draws, d_i = g_i - g (float64): sum d_i, sum d_i^2,
+    the per-sample projections x_i per tensor and per tile, and the curve's checkpoints."""
+
+    def __init__(self, exact: torch.Tensor, tile_rows: int):
+        self.exact = exact  # (B, H, S, D), float64
+        b, h, s, d = exact.shape
+        self.n_tiles = -(-s // tile_rows)
+        pad = self.n_tiles * tile_rows - s
+        self.tiled = lambda x: torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b, h, self.n_tiles, tile_rows * d)
+        self.exact_tiles = self.tiled(exact)  # (B, H, nT, rows * D)
+        self.sum = torch.zeros_like(exact)
+        self.sum_sq = torch.zeros_like(exact)
+        self.x, self.x_tiles, self.points = [], [], []
+        self.norm_sq = exact.square().sum().item()
+
+    def add(self, g: torch.Tensor, record: bool) -> None:
+        d = g.detach().to(torch.float64) - self.exact
+        self.sum += d
+        self.sum_sq += d.square()
+        self.x.append((d * self.exact).sum().item() / self.norm_sq if self.norm_sq > 0 else math.nan)
+        tile_norm = self.exact_tiles.square().sum(-1)
+        self.x_tiles.append((self.tiled(d) * self.exact_tiles).sum(-1) / tile_norm)  # NaN where g = 0
+        if record:
+            n = len(self.x)
+            self.points.append((n, (self.sum / n).square().sum().item() / self.norm_sq))
+
+    def _variance_sum(self) -> float:
+        """Sum over elements of the per-element sample variance (0 for a single draw)."""
+        n = len(self.x)
+        if n < 2:
+            return 0.0
+        return ((self.sum_sq - self.sum.square() / n) / (n - 1)).clamp(min=0).sum().item()
+
+    def tensor_stats(self) -> dict:
+        n = len(self.x)
+        mean_err = ((self.sum / n).square().sum().item() / self.norm_sq) ** 0.5
+        stats_ = _t_test(torch.tensor(self.x, dtype=torch.float64))
+        return {**{k: v.item() for k, v in stats_.items()}, "rel_err_mean": mean_err,
+                "rel_noise": (self._variance_sum() / n / self.norm_sq) ** 0.5, "samples": n}
+
+    def tile_stats(self) -> pd.DataFrame:
+        x = torch.stack(self.x_tiles)  # (N, B, H, nT)
+        stats_ = _t_test(x)
+        b, h, nt = x.shape[1:]
+        grid = torch.meshgrid(torch.arange(b), torch.arange(h), torch.arange(nt), indexing="ij")
+        columns = {"batch": grid[0], "head": grid[1], "tile": grid[2], **stats_}
+        return pd.DataFrame({k: v.flatten().numpy() for k, v in columns.items()})
+
+    def curve(self) -> pd.DataFrame:
+        noise = self._variance_sum() / self.norm_sq
+        rows = [{"n": n, "rel_mse": mse, "noise_only": noise / n} for n, mse in self.points]
+        return pd.DataFrame(rows)
+
+
+def _t_test(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean over dim 0, its standard error, t = mean / se and the two-sided p-value under
+    Student's t with N - 1 degrees of freedom (se = 0 for a single draw: t = +-inf or NaN)."""
+    n = x.shape[0]
+    mean = x.mean(0)
+    se = x.std(0) / math.sqrt(n) if n > 1 else torch.zeros_like(mean)
+    t = torch.where(se > 0, mean / se, torch.where(mean == 0, math.nan, math.inf * mean.sign()))
+    p = 2 * stats.t.sf(t.abs().numpy(), df=max(n - 1, 1)) if n > 1 else torch.where(mean == 0, 1.0, 0.0).numpy()
+    return {"rel_bias": mean, "se": se, "t": t, "p_value": torch.as_tensor(p, dtype=torch.float64)}
