@@ -298,12 +298,14 @@ def _is_2d(spec) -> bool:
 
 @dataclass
 class _Quantized:
-    """An operand after quantization and, when asked, where it clipped or its scales ran out:
-    flags = (clipped, scale_underflow, scale_overflow), boolean tensors of its shape (the last
-    two None for operands without block scales)."""
+    """An operand after quantization and, when asked, `counts` for the trace: "clipped"
+    (elements past the block's largest value), "blocks" (blocks holding a nonzero),
+    "scale_underflow" and "scale_overflow" (such blocks whose scale left its format's range),
+    as counts per tile (per_tile) or, for whole tensors, boolean tensors of the operand's
+    shape (blocks marked at their first element); None entries where there are no scales."""
 
     values: torch.Tensor
-    flags: tuple | None = None
+    counts: dict | None = None
 
 
 def quantize_operand(
@@ -329,7 +331,10 @@ def quantize_operand(
     xs = x * prescale if prescale != 1.0 else x
     if isinstance(spec, FloatFormat):
         values = round_to_format(xs, spec)
-        found = (xs.abs() > spec.max, None, None) if flags else None
+        found = None
+        if flags:
+            clipped = xs.abs() > spec.max
+            found = {"clipped": clipped.sum((-2, -1)) if per_tile else clipped}
     else:
         values, found = _block_quantize(xs, spec, axis, generator, per_tile, flags)
     if prescale != 1.0:
@@ -369,7 +374,7 @@ def _block_quantize(x, spec: QuantSpec, axis: int, generator, per_tile: bool, wa
     out = layout.from_blocks(out)
     if spec.hadamard is not None:
         out = _hadamard(out.to(work), spec, layout.axis, inverse=True)
-    found = _flags(blocks, amax, scales, decode, spec, layout) if want_flags else None
+    found = _flags(scaled, amax, decode, spec, layout, per_tile) if want_flags else None
     return out.to(x.dtype), found
 
 
@@ -411,16 +416,25 @@ def _tensor_scales(tensor_amax, spec: QuantSpec):
     return decode, one / decode
 
 
-def _flags(blocks, amax, scales, decode, spec: QuantSpec, layout):
-    """(clipped, scale_underflow, scale_overflow) as boolean tensors of x's shape."""
+def _flags(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dict:
+    """The trace's counts (see `_Quantized`) from the scaled elements (blocks, before
+    rounding) and the block amax."""
     d = decode if decode is not None else torch.ones((), dtype=torch.float32)
-    top = spec.element.max * scales * d  # the largest magnitude each block can represent
-    clipped = blocks.abs() > top.unsqueeze(-1).to(blocks.dtype)
+    clipped = scaled.abs() > spec.element.max  # |x| > M_e * s * d: saturation set x^
     ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
-    under = (amax > 0) & (ideal < spec.scale.min_subnormal * (1 - _SLACK))
-    over = ideal > spec.scale.max * (1 + _SLACK)
-    expand = lambda f: layout.from_blocks(f.unsqueeze(-1).expand(blocks.shape))  # noqa: E731
-    return layout.from_blocks(clipped), expand(under), expand(over)
+    blocks = {
+        "blocks": amax > 0,
+        "scale_underflow": (amax > 0) & (ideal < spec.scale.min_subnormal * (1 - _SLACK)),
+        "scale_overflow": ideal > spec.scale.max * (1 + _SLACK),
+    }
+    if per_tile:  # a tile is the last two block dims
+        return {"clipped": clipped.sum((-3, -2, -1)), **{k: v.sum((-2, -1)) for k, v in blocks.items()}}
+    marks = {}
+    for name, flag in blocks.items():  # each block marked at its first element
+        mark = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
+        mark[..., 0] = flag
+        marks[name] = layout.from_blocks(mark)
+    return {"clipped": layout.from_blocks(clipped), **marks}
 
 
 # -- tiling -------------------------------------------------------------------------------------
@@ -521,7 +535,7 @@ def _quantize_p(p, s, m_row, recipe: AttentionRecipe, gen, flags: bool) -> _Quan
         rowmax = p.amax(dim=-1, keepdim=True)
         r = torch.where(rowmax > 0, top / rowmax, torch.ones_like(rowmax))
         out = quantize_operand(p * r, recipe.p, axis=-1, generator=gen, per_tile=True, flags=flags)
-        return _Quantized(out.values / r, out.flags)
+        return _Quantized(out.values / r, out.counts)
     return _direct_p(s, m_row, recipe, flags)
 
 
@@ -542,10 +556,13 @@ def _direct_p(s, m_row, recipe: AttentionRecipe, flags: bool) -> _Quantized:
     codes = round_to_format(u, spec.element)
     p_hat = (torch.exp2(e_b) * codes / m_e).reshape(z.shape)
     found = None
-    if flags:
-        zero_block = torch.isneginf(zb.amax(dim=-1, keepdim=True))
-        under = ((e_b == lo) & ~zero_block).expand(zb.shape).reshape(z.shape)
-        found = ((u > m_e).reshape(z.shape), under, torch.zeros_like(under))
+    if flags:  # codes past M_e; e_B clamped at the scale format's bottom (no overflow)
+        nonzero = (zb.amax(dim=-1) > -math.inf).sum((-2, -1))
+        under = ((e_b.squeeze(-1) == lo) & (zb.amax(dim=-1) > -math.inf)).sum((-2, -1))
+        found = {
+            "clipped": (u > m_e).sum((-3, -2, -1)), "blocks": nonzero, "scale_underflow": under,
+            "scale_overflow": torch.zeros_like(under),
+        }
     return _Quantized(p_hat, found)
 
 
@@ -600,14 +617,16 @@ class _Operands:
 
 
 def _scores(ops: _Operands, cfg: _Config, t: _Tiling, mask, a: int, i1: int, j: int):
-    """Scores of query tiles [a, i1) against key tile j, before and after masking."""
+    """Scores of query tiles [a, i1) against key tile j, before and after masking, and
+    whether the masks left every entry (then the trace need not mask its statistics)."""
     kj = ops.k[:, :, j, None, None]  # (B, Hkv, 1, 1, bn, D)
     s = cfg.scale * (ops.q[:, :, :, a:i1] @ kj.transpose(-1, -2))  # (B, Hkv, G, n, bm, bn)
     if ops.mu is not None:  # SageAttention2's correction term, in the working precision
         s = s + cfg.scale * (ops.mu[:, :, :, a:i1] @ ops.k_plain[:, :, j, None, None].transpose(-1, -2))
     masked = s if mask is None else mask.apply(s, a, i1, j)
-    masked = masked.masked_fill(~t.valid(a, i1, j, s.device), -math.inf)
-    return s, masked
+    valid = t.valid(a, i1, j, s.device)
+    full = mask is None and bool(valid.all())
+    return s, (masked if full else masked.masked_fill(~valid, -math.inf)), full
 
 
 def _smooth_q(qw: torch.Tensor, t: _Tiling):
@@ -620,10 +639,18 @@ def _smooth_q(qw: torch.Tensor, t: _Tiling):
 
 def _whole_stats(x, quant: _Quantized, tiler) -> dict:
     """Per-tile operand statistics of a whole-tensor operand."""
-    flags = None
-    if quant.flags is not None:
-        flags = tuple(tiler(f.to(torch.uint8)).bool() if f is not None else None for f in quant.flags)
-    return operand_stats(tiler(x), tiler(quant.values), flags)
+    counts = None
+    if quant.counts is not None:
+        tile_sum = lambda f: tiler(f.to(torch.uint8)).sum((-2, -1))  # noqa: E731
+        counts = {k: tile_sum(f) if f is not None else None for k, f in quant.counts.items()}
+    return operand_stats(tiler(x), tiler(quant.values), counts)
+
+
+def _masked_product_stats(y, y_ref, keep) -> dict:
+    """product_stats over the entries `keep` leaves (all when None)."""
+    if keep is None:
+        return product_stats(y, y_ref)
+    return product_stats(y.masked_fill(~keep, 0), y_ref.masked_fill(~keep, 0))
 
 
 def _k_slice(stats: dict, j: int, like: torch.Tensor) -> dict:
@@ -674,7 +701,7 @@ def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: in
     ref = _Reference(ops, t, i0, i1, rec) if rec is not None else None
     for j in t.key_tiles(i0, i1):
         a = t.first_q_tile(j, i0)
-        s_raw, s = _scores(ops, cfg, t, mask, a, i1, j)
+        s_raw, s, full = _scores(ops, cfg, t, mask, a, i1, j)
         p, m_use, alpha = run.step(a - i0, s)
         p_hat = _quantize_p(p, s, m_use, recipe, cfg.generator, flags=rec is not None)
         pv = p_hat.values @ v_tiles[:, :, j, None, None]  # (B, Hkv, G, n, bm, Dv)
@@ -687,7 +714,7 @@ def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: in
         if ref is not None:
             run.add("l_consumed", a - i0, alpha, consumed)
             run.add("l_plain", a - i0, alpha, plain)
-            ref.tile(a, j, s_raw, s, p, p_hat, pv, m_use, v_tiles, mask, cfg)
+            ref.tile(a, j, (s_raw, s, full), p, p_hat, pv, m_use, mask, cfg)
     o, lse = run.finish("acc", "l")
     o_prime = run.finish("acc_prime", "l_prime")[0] if "acc_prime" in run.sums else None
     if ref is not None:
@@ -711,24 +738,21 @@ class _Reference:
         self.run = _Running(shape, v64.shape[-1], q64.dtype, q64.device)
         self.log_lost = torch.full(shape + (t.nK,), -math.inf, dtype=q64.dtype, device=q64.device)
 
-    def tile(self, a, j, s_raw, s, p, p_hat, pv, m_use, v_tiles, mask, cfg) -> None:
+    def tile(self, a, j, scores, p, p_hat, pv, m_use, mask, cfg) -> None:
         """Statistics of qk and pv on query tiles [a, i1) x key tile j; exact softmax step."""
-        t, ops, i1 = self.t, self.ops, self.i1
+        (s_raw, s, full), ops, i1, like = scores, self.ops, self.i1, scores[1][..., 0, 0]
         s_ref = cfg.scale * (self.q64[:, :, :, a:i1] @ self.k64[:, :, j, None, None].transpose(-1, -2))
-        keep = ~torch.isneginf(s)  # entries the masks leave
-        qk = {**prefix(_q_slice(ops.stats["q"], a, i1), "a"), **prefix(_k_slice(ops.stats["k"], j, s[..., 0, 0]), "b")}
-        qk.update(product_stats(s_raw.masked_fill(~keep, 0), s_ref.masked_fill(~keep, 0)))
-        self.rec.add(Product.QK, a, j, qk)
+        keep = None if full else s > -math.inf  # entries the masks leave
+        qk = {**prefix(_q_slice(ops.stats["q"], a, i1), "a"), **prefix(_k_slice(ops.stats["k"], j, like), "b")}
+        self.rec.add(Product.QK, a, j, {**qk, **_masked_product_stats(s_raw, s_ref, keep)})
         v64j = self.v64[:, :, j, None, None]
-        pv_ref = p.to(v64j.dtype) @ v64j
-        stats = {**prefix(operand_stats(p, p_hat.values, p_hat.flags), "a"), **prefix(_k_slice(ops.stats["v"], j, s[..., 0, 0]), "b")}
-        stats.update(product_stats(pv, pv_ref))
-        self.rec.add(Product.PV, a, j, stats)
+        pv_stats = {**prefix(operand_stats(p, p_hat.values, p_hat.counts), "a"), **prefix(_k_slice(ops.stats["v"], j, like), "b")}
+        self.rec.add(Product.PV, a, j, {**pv_stats, **product_stats(pv, p.to(v64j.dtype) @ v64j)})
         lost = torch.where(p_hat.values == 0, p, 0.0).sum(-1)  # flushed P of each row
         self.log_lost[:, :, :, a - self.i0 :, :, j] = (m_use + torch.log(lost)).to(self.log_lost.dtype)
-        s_exact = s_ref if mask is None else mask.apply(s_ref, a, i1, j)
-        s_exact = s_exact.masked_fill(~t.valid(a, i1, j, s.device), -math.inf)
-        p_ref, _, alpha = self.run.step(a - self.i0, s_exact)
+        if not full:
+            s_ref = (s_ref if mask is None else mask.apply(s_ref, a, i1, j)).masked_fill(~keep, -math.inf)
+        p_ref, _, alpha = self.run.step(a - self.i0, s_ref)
         self.run.add("l", a - self.i0, alpha, p_ref.sum(-1))
         self.run.add("acc", a - self.i0, alpha, p_ref @ v64j)
 
@@ -801,8 +825,8 @@ def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, tracing: bo
 
 def _forward_flags(x, x_hat, spec, axis, tracing) -> _Quantized:
     """The forward's quantized operand, with its flags recomputed for the trace."""
-    flags = quantize_operand(x, spec, axis=axis, flags=True).flags if tracing else None
-    return _Quantized(x_hat, flags)
+    counts = quantize_operand(x, spec, axis=axis, flags=True).counts if tracing else None
+    return _Quantized(x_hat, counts)
 
 
 def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: _Config, t: _Tiling, rec):
@@ -829,7 +853,7 @@ def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, 
     dq = torch.zeros(t.B, t.Hk, t.G, i1 - i0, t.bm, ops.k_dq.shape[-1], dtype=dk.dtype, device=dk.device)
     for j in t.key_tiles(i0, i1):
         a = t.first_q_tile(j, i0)
-        _, s = _scores(ops.scores, cfg, t, mask, a, i1, j)
+        _, s, full = _scores(ops.scores, cfg, t, mask, a, i1, j)
         lse_a = lse[:, :, :, a:i1]
         p = torch.exp(s - lse_a.unsqueeze(-1))  # P rebuilt from the forward's lse
         if recipe.backward is BackwardMode.STRAIGHT_THROUGH:
@@ -848,28 +872,28 @@ def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, 
         dk[:, :, j] += cfg.scale * dk_part.sum(dim=(2, 3))
         if tracing:
             tiles = {"p": p, "p_dv": p_dv, "dv": dv_part, "dp": dp, "ds": ds, "ds_q": ds_q, "dq": dq_part, "ds_k": ds_k, "dk": dk_part}
-            _backward_stats(ops, tiles, s, lse_a, a, i1, j, rec)
+            _backward_stats(ops, tiles, s, full, lse_a, a, i1, j, rec)
     return dq
 
 
-def _backward_stats(ops: _BackwardOperands, x: dict, s, lse_a, a: int, i1: int, j: int, rec: TraceCall) -> None:
+def _backward_stats(ops: _BackwardOperands, x: dict, s, full: bool, lse_a, a: int, i1: int, j: int, rec: TraceCall) -> None:
     """Statistics of dv, dp, dq, dk on query tiles [a, i1) x key tile j."""
     q64, k64, v64, do64 = (y for y in ops.stats["ref"])
     q64, do64, k64j, v64j = q64[:, :, :, a:i1], do64[:, :, :, a:i1], k64[:, :, j, None, None], v64[:, :, j, None, None]
     st, like = ops.stats, s[..., 0, 0]
     p64, ds64 = x["p"].to(q64.dtype), x["ds"].to(q64.dtype)
-    keep = ~torch.isneginf(s)
+    keep = None if full else s > -math.inf
     rows = torch.isfinite(lse_a)
     lost = torch.where(x["p_dv"].values == 0, x["p"], 0.0).sum(-1)
     mass = torch.where(rows, lost, 0.0).double().sum(-1) / rows.sum(-1).double()
     records = {
-        Product.DV: (operand_stats(x["p"], x["p_dv"].values, x["p_dv"].flags), _q_slice(st["do_dv"], a, i1),
+        Product.DV: (operand_stats(x["p"], x["p_dv"].values, x["p_dv"].counts), _q_slice(st["do_dv"], a, i1),
                      product_stats(x["dv"], p64.transpose(-1, -2) @ do64), {"p_mass_lost": mass}),
         Product.DP: (_q_slice(st["do_dp"], a, i1), _k_slice(st["v_dp"], j, like),
-                     product_stats(x["dp"].masked_fill(~keep, 0), (do64 @ v64j.transpose(-1, -2)).masked_fill(~keep, 0)), {}),
-        Product.DQ: (operand_stats(x["ds"], x["ds_q"].values, x["ds_q"].flags), _k_slice(st["k_dq"], j, like),
+                     _masked_product_stats(x["dp"], do64 @ v64j.transpose(-1, -2), keep), {}),
+        Product.DQ: (operand_stats(x["ds"], x["ds_q"].values, x["ds_q"].counts), _k_slice(st["k_dq"], j, like),
                      product_stats(x["dq"], ds64 @ k64j), {}),
-        Product.DK: (operand_stats(x["ds"], x["ds_k"].values, x["ds_k"].flags), _q_slice(st["q_dk"], a, i1),
+        Product.DK: (operand_stats(x["ds"], x["ds_k"].values, x["ds_k"].counts), _q_slice(st["q_dk"], a, i1),
                      product_stats(x["dk"], ds64.transpose(-1, -2) @ q64), {}),
     }
     for product, (sa, sb, prod, extra) in records.items():

@@ -17,10 +17,12 @@ them; "nonzero" counts the elements with x != 0; NaN where a ratio has nothing t
 - ``a_clipped`` / ``b_clipped``: fraction of nonzero elements whose magnitude exceeds the
   largest value representable in their block (element max x block scale x tensor scale),
   so that saturation, not rounding, set x^.
-- ``a_scale_underflow`` / ``..._overflow``: fraction of nonzero elements lying in a block
-  whose ideal scale, block amax / (element max x tensor scale), is below the scale format's
-  smallest positive value (the block flushes or its scale is raised) or above its largest
-  (the scale saturates and the block clips). NaN for operands without block scales.
+- ``a_scale_underflow`` / ``..._overflow``: fraction of the tile's blocks holding a nonzero
+  element whose ideal scale, block amax / (element max x tensor scale), lies below the
+  scale format's smallest positive value (the block flushes or its scale is raised) or above
+  its largest (the scale saturates and the block clips), beyond float32 rounding. A block
+  of a whole-tensor operand counts in the tile holding its first element. NaN for operands
+  without block scales.
 - ``a_nan`` / ``b_nan``: number of NaN elements of x^.
 - ``p_mass_lost`` (products with a P operand): probability mass whose P values were
   flushed to zero, in units of the final softmax probability, averaged over the tile's
@@ -175,37 +177,48 @@ class TraceCall:
 
 
 # -- statistics of one batch of tiles (reductions over the last two dims) -----------------------
-def operand_stats(x: torch.Tensor, xq: torch.Tensor, flags=None) -> dict[str, torch.Tensor]:
+def operand_stats(x: torch.Tensor, xq: torch.Tensor, counts: dict | None = None) -> dict[str, torch.Tensor]:
     """The operand columns for tiles x -> x^ (..., rows, cols), reduced over the tile.
 
-    `flags` is (clipped, scale_underflow, scale_overflow), boolean tensors of x's shape, the
-    last two None for operands without block scales, or None for an unquantized operand.
+    `counts` holds per-tile counts of "clipped" elements and of "blocks" with a nonzero
+    element, of which "scale_underflow" and "scale_overflow" left the scale format's range
+    (missing or None: no block scales), or is None for an unquantized operand. Sums run in
+    x's precision; results are float64.
     """
     dims = (-2, -1)
-    nonzero = x != 0
-    count = nonzero.sum(dims).double()
-    diff = (xq - x).double().square().sum(dims).sqrt()
-    norm = x.double().square().sum(dims).sqrt()
+    nonzero = (x != 0).sum(dims)
+    diff = torch.linalg.vector_norm(xq - x, dim=dims).double()
+    norm = torch.linalg.vector_norm(x, dim=dims).double()
     stats = {
         "err": torch.where(diff == 0, 0.0, diff / norm),
-        "flushed": _fraction(nonzero & (xq == 0), count),
-        "nan": torch.isnan(xq).sum(dims).double(),
+        # quantization maps 0 to 0, so the nonzeros lost are the ones flushed
+        "flushed": _fraction(nonzero - (xq != 0).sum(dims), nonzero),
+        "nan": _nan_count(xq, diff),
     }
-    clipped, under, over = flags if flags is not None else (None, None, None)
-    stats["clipped"] = _fraction(clipped & nonzero, count) if clipped is not None else 0.0 * count
-    nan = torch.full_like(count, float("nan"))
-    stats["scale_underflow"] = _fraction(under & nonzero, count) if under is not None else nan
-    stats["scale_overflow"] = _fraction(over & nonzero, count) if over is not None else nan
+    counts = counts or {}
+    stats["clipped"] = _fraction(counts["clipped"], nonzero) if "clipped" in counts else torch.zeros_like(diff)
+    blocks = counts.get("blocks")
+    for name in ("scale_underflow", "scale_overflow"):
+        hits = counts.get(name)
+        stats[name] = _fraction(hits, blocks) if hits is not None else torch.full_like(diff, float("nan"))
     return stats
 
 
 def product_stats(y: torch.Tensor, y_ref: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``prod_err`` and ``prod_nan`` of product tiles y (..., rows, cols) against y_ref."""
+    """``prod_err`` and ``prod_nan`` of product tiles y (..., rows, cols) against y_ref
+    (in y_ref's precision)."""
     dims = (-2, -1)
-    y_ref = y_ref.to(torch.float64)
-    diff = (y.to(torch.float64) - y_ref).square().sum(dims).sqrt()
-    norm = y_ref.square().sum(dims).sqrt()
-    return {"prod_err": torch.where(diff == 0, 0.0, diff / norm), "prod_nan": torch.isnan(y).sum(dims).double()}
+    diff = torch.linalg.vector_norm(y.to(y_ref.dtype) - y_ref, dim=dims).double()
+    norm = torch.linalg.vector_norm(y_ref, dim=dims).double()
+    return {"prod_err": torch.where(diff == 0, 0.0, diff / norm), "prod_nan": _nan_count(y, diff)}
+
+
+def _nan_count(y: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """NaN elements per tile; a tile whose norm is finite holds none, so only tiles with a
+    non-finite norm are counted."""
+    if bool(torch.isfinite(norm).all()):
+        return torch.zeros_like(norm)
+    return torch.isnan(y).sum((-2, -1)).double()
 
 
 def prefix(stats: dict[str, torch.Tensor], side: str) -> dict[str, torch.Tensor]:
@@ -213,6 +226,5 @@ def prefix(stats: dict[str, torch.Tensor], side: str) -> dict[str, torch.Tensor]
     return {f"{side}_{k}": v for k, v in stats.items()}
 
 
-def _fraction(mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    hits = mask.sum((-2, -1)).double()
-    return torch.where(count > 0, hits / count.clamp(min=1), float("nan"))
+def _fraction(hits: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return torch.where(count > 0, hits.double() / count.clamp(min=1).double(), float("nan"))
