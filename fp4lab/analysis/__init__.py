@@ -11,8 +11,8 @@ __all__ = [
     "AttentionRecipe", "BackwardMode", "BackwardP", "DeltaSource", "PQuant", "Product",
     "RowSum", "resolve_recipe", "Trace", "attention", "patch_sdpa", "quantize_operand",
 ]
-from fp4lab.analysis.compare import Comparison, compare, saturation
 from fp4lab.analysis.bias import GradientBias, gradient_bias
+from fp4lab.analysis.compare import Comparison, compare, saturation
 from fp4lab.analysis.inputs import AttentionInputs, SyntheticConfig, load_inputs, save_inputs, synthetic_inputs
 
 __all__ += [

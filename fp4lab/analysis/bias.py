@@ -123,12 +123,12 @@ def gradient_bias(
     n = samples if recipe.stochastic else 1
     seeds = derive_seeds(seed, n)
     options = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)
-    exact = dict(zip(GRADIENTS, exact_reference(q, k, v, do, **options)[1:]))
+    exact = dict(zip(GRADIENTS, exact_reference(q, k, v, do, **options)[1:], strict=True))
     tiles = {name: _tile_shape(name, block_m, block_n) for name in GRADIENTS}
     acc = {name: _Accumulator(exact[name], tiles[name]) for name in GRADIENTS}
     for i, s in enumerate(seeds):
         grads = forward_backward(q, k, v, do, recipe, trace=None, generator=s if recipe.stochastic else None, **options)[1:]
-        for name, g in zip(GRADIENTS, grads):
+        for name, g in zip(GRADIENTS, grads, strict=True):
             acc[name].add(g, record=_is_checkpoint(i + 1, n))
     return GradientBias(
         recipe=recipe.name, stochastic=recipe.stochastic, samples=n, seed=seed, seeds=seeds,

@@ -103,7 +103,10 @@ def compare(
     options = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n, attn_mask=attn_mask)
     got = forward_backward(q, k, v, do, recipe, trace=trace, generator=generator, **options)
     ref = exact_reference(q, k, v, do, **options)
-    rows = [{"recipe": recipe.name, "tensor": name, **error_metrics(x, r)} for name, x, r in zip(TENSORS, got, ref)]
+    rows = [
+        {"recipe": recipe.name, "tensor": name, **error_metrics(x, r)}
+        for name, x, r in zip(TENSORS, got, ref, strict=True)
+    ]
     meta = {
         "causal": bool(causal), "scale": scale, "block_m": block_m, "block_n": block_n,
         "dtype": str(q.dtype), "shape_q": tuple(q.shape), "shape_k": tuple(k.shape),

@@ -211,7 +211,7 @@ def save_inputs(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     stored as float32 in `.npz` (safetensors keeps them).
     """
     path = Path(path)
-    tensors = {n: t.detach().cpu().contiguous() for n, t in zip(_NAMES, (q, k, v, do)) if t is not None}
+    tensors = {n: t.detach().cpu().contiguous() for n, t in zip(_NAMES, (q, k, v, do), strict=True) if t is not None}
     if path.suffix == ".npz":
         arrays = {n: (t.float() if t.dtype not in (torch.float32, torch.float64, torch.float16) else t).numpy()
                   for n, t in tensors.items()}

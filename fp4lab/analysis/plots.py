@@ -133,7 +133,7 @@ def product_heatmaps(trace, column: str = "prod_err", *, products=None, batch: i
     grids = [tile_grid(frame, column, product=p, batch=batch, head=head, call=call) for p in products]
     norm = _norm(np.concatenate([g.to_numpy().ravel() for g in grids]), log)
     fig, axes = _panels(len(products))
-    for i, (product, ax) in enumerate(zip(products, axes)):
+    for i, (product, ax) in enumerate(zip(products, axes, strict=True)):
         tile_heatmap(frame, column, product=product, batch=batch, head=head, call=call, log=log, ax=ax,
                      norm=norm, cbar=_with_bar(i, len(products)))
         ax.set_title(product)
@@ -151,7 +151,7 @@ def recipe_heatmaps(traces: dict, column: str = "prod_err", *, product: str = "p
     grids = {name: tile_grid(t, column, product=product, batch=batch, head=head) for name, t in traces.items()}
     norm = _norm(np.concatenate([g.to_numpy().ravel() for g in grids.values()]), log)
     fig, axes = _panels(len(grids))
-    for i, ((name, trace), ax) in enumerate(zip(traces.items(), axes)):
+    for i, ((name, trace), ax) in enumerate(zip(traces.items(), axes, strict=True)):
         tile_heatmap(trace, column, product=product, batch=batch, head=head, log=log, ax=ax, norm=norm,
                      cbar=_with_bar(i, len(grids)))
         ax.set_title(name)
@@ -182,7 +182,7 @@ def convergence_curve(convergence: pd.DataFrame, *, ax: Axes | None = None) -> A
     if ax is None:
         ax = Figure(figsize=(5.5, 4), layout="constrained").subplots()
     tensors = list(dict.fromkeys(convergence["tensor"]))
-    palette = dict(zip(tensors, sns.color_palette(n_colors=len(tensors))))
+    palette = dict(zip(tensors, sns.color_palette(n_colors=len(tensors)), strict=True))
     sns.lineplot(data=convergence, x="n", y="rel_mse", hue="tensor", palette=palette, marker="o", ax=ax)
     for tensor, rows in convergence.groupby("tensor", sort=False):
         ax.plot(rows["n"], rows["noise_only"], linestyle="--", color=palette[tensor], alpha=0.7)

@@ -1,0 +1,59 @@
+"""`fp4lab.attention`: one entry to attention on an explicitly chosen backend.
+
+Two backends share one `AttentionRecipe` and one `Trace` schema (DESIGN.md):
+- ``"reference"``: the simulation path, `fp4lab.analysis.attention` (plain torch, any device,
+  float64-capable, fully instrumented);
+- ``"triton"``: the fused GPU kernels of `fp4lab.kernels` (not built yet).
+
+The backend is never picked for you and a missing one never falls back to the other: a
+study that asked for the kernels must not silently measure the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4lab.analysis import AttentionRecipe, Trace
+from fp4lab.analysis import attention as reference_attention
+
+__all__ = ["attention", "BACKENDS"]
+
+BACKENDS = ("reference", "triton")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    recipe: AttentionRecipe | str = "exact",
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    trace: Trace | None = None,
+    generator: torch.Generator | int | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    attn_mask: torch.Tensor | None = None,
+    backend: str = "reference",
+) -> torch.Tensor:
+    """Scaled dot-product attention with quantized operands, on `backend`.
+
+    Arguments other than `backend` are those of `fp4lab.analysis.attention` (layout
+    (B, H, S, D) as `F.scaled_dot_product_attention`, autograd backward, `trace` for per-tile
+    statistics, `generator` for stochastic rounding); see its docstring.
+
+    Raises:
+        NotImplementedError: backend="triton" (the Triton kernels are not built yet).
+        ValueError: any other backend than "reference" or "triton".
+    """
+    if backend == "triton":
+        raise NotImplementedError(
+            "backend='triton': fp4lab's Triton kernels (fp4lab.kernels) are not built yet; "
+            "use backend='reference' for the simulation path (no silent fallback)"
+        )
+    if backend != "reference":
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    return reference_attention(
+        q, k, v, recipe, causal=causal, scale=scale, trace=trace, generator=generator,
+        block_m=block_m, block_n=block_n, attn_mask=attn_mask,
+    )
