@@ -21,9 +21,11 @@ def test_ci_runs_the_readme_commands():
         assert command in ci
 
 
-def test_the_tour_runs():
-    (tour,) = code_blocks("python")
+def test_the_tours_run():
+    tours = code_blocks("python")
+    assert len(tours) == 2, "the README has a formats tour and an attention tour"
     try:
-        exec(compile(tour, "README.md", "exec"), {})
+        for tour in tours:
+            exec(compile(tour, "README.md", "exec"), {})
     finally:
         F.unregister("mxfp4_rht16")
