@@ -53,7 +53,7 @@ __all__ = ["attention", "patch_sdpa", "quantize_operand"]
 
 # Elements of one (batch, heads, query tiles, block_m, block_n) tile tensor processed at a
 # time; query tiles are taken in chunks of at most this size (memory ~ 10x this in floats).
-_CHUNK_ELEMENTS = 1 << 20
+_CHUNK_ELEMENTS = 1 << 18
 _LOG2E = math.log2(math.e)
 # Relative slack when judging a block scale out of its format's range: NVFP4's tensor scale
 # maps the tensor amax to exactly 448 up to float32 rounding, which is not an overflow.
@@ -127,6 +127,8 @@ def attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     gen = _generator(recipe, generator)
+    if q.shape[2] == 0:  # no queries: an empty output, still connected to the inputs' graph
+        return q.new_zeros(*q.shape[:3], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
     q, k = _transform_qk(q, k, recipe)
     config = _Config(
         recipe=recipe, causal=bool(causal), scale=float(scale), block_m=block_m,
@@ -226,6 +228,10 @@ _LAYOUT = {
     "dk_ds": (-2, "block_m", "block_m", "block_n"),
     "dk_q": (-2, "seq", "seq", "head_dim"),
 }
+
+
+# P and dS exist only inside the kernel: quantized tile by tile, after their prescale.
+_TILE_FIELDS = {"p": "p_prescale", "dv_p": "p_prescale", "dq_ds": "ds_prescale", "dk_ds": "ds_prescale"}
 
 
 def _check_tiling(recipe: AttentionRecipe, d: int, dv: int, block_m: int, block_n: int) -> None:
@@ -342,6 +348,15 @@ def quantize_operand(
     return _Quantized(values, found)
 
 
+def _quantize_field(x, recipe: AttentionRecipe, field: str, generator, flags: bool) -> _Quantized:
+    """Operand `field` of `recipe`, along its product's reduction axis (`_LAYOUT`)."""
+    prescale = getattr(recipe, _TILE_FIELDS[field]) if field in _TILE_FIELDS else 1.0
+    return quantize_operand(
+        x, getattr(recipe, field), axis=_LAYOUT[field][0], generator=generator,
+        per_tile=field in _TILE_FIELDS, prescale=prescale, flags=flags,
+    )
+
+
 def _block_quantize(x, spec: QuantSpec, axis: int, generator, per_tile: bool, want_flags: bool):
     """Steps 1-5 of fp4lab.formats.quantize and its dequantization (float32 products), with
     the second-level scale's amax over the whole tensor or, with per_tile, over each tile."""
@@ -420,7 +435,7 @@ def _flags(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dic
     """The trace's counts (see `_Quantized`) from the scaled elements (blocks, before
     rounding) and the block amax."""
     d = decode if decode is not None else torch.ones((), dtype=torch.float32)
-    clipped = scaled.abs() > spec.element.max  # |x| > M_e * s * d: saturation set x^
+    clipped = (scaled.abs() - spec.element.max).clamp_(min=0).sign_()  # |x| > M_e s d: saturated
     ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
     blocks = {
         "blocks": amax > 0,
@@ -428,13 +443,13 @@ def _flags(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dic
         "scale_overflow": ideal > spec.scale.max * (1 + _SLACK),
     }
     if per_tile:  # a tile is the last two block dims
-        return {"clipped": clipped.sum((-3, -2, -1)), **{k: v.sum((-2, -1)) for k, v in blocks.items()}}
+        return {"clipped": clipped.sum((-3, -2, -1), dtype=torch.float64), **{k: v.sum((-2, -1)) for k, v in blocks.items()}}
     marks = {}
     for name, flag in blocks.items():  # each block marked at its first element
         mark = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
         mark[..., 0] = flag
         marks[name] = layout.from_blocks(mark)
-    return {"clipped": layout.from_blocks(clipped), **marks}
+    return {"clipped": layout.from_blocks(clipped.bool()), **marks}
 
 
 # -- tiling -------------------------------------------------------------------------------------
@@ -527,9 +542,7 @@ class _MaskTiles:
 def _quantize_p(p, s, m_row, recipe: AttentionRecipe, gen, flags: bool) -> _Quantized:
     """P^ from P = exp(S - m_row) as `recipe.p_quant` says (tiles: (..., bm, bn))."""
     if recipe.p_quant is PQuant.SPEC:
-        return quantize_operand(
-            p, recipe.p, axis=-1, generator=gen, per_tile=True, prescale=recipe.p_prescale, flags=flags,
-        )
+        return _quantize_field(p, recipe, "p", gen, flags)
     if recipe.p_quant is PQuant.ROW_SCALED:  # SageAttention3: rows' max mapped to M_e * M_s
         top = recipe.p.element.max * recipe.p.scale.max
         rowmax = p.amax(dim=-1, keepdim=True)
@@ -674,9 +687,9 @@ def _forward(q, k, v, cfg: _Config, t: _Tiling, rec: TraceCall | None):
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     q_src, mu = _smooth_q(qw, t) if recipe.smooth_q else (qw, None)
     tracing = rec is not None
-    q_hat = quantize_operand(q_src, recipe.q, axis=-1, generator=cfg.generator, flags=tracing)
-    k_hat = quantize_operand(kw, recipe.k, axis=-1, generator=cfg.generator, flags=tracing)
-    v_hat = quantize_operand(vw, recipe.v, axis=-2, generator=cfg.generator, flags=tracing)
+    q_hat, k_hat, v_hat = (
+        _quantize_field(x, recipe, field, cfg.generator, tracing) for x, field in ((q_src, "q"), (kw, "k"), (vw, "v"))
+    )
     stats = {}
     if tracing:
         stats = {
@@ -748,7 +761,7 @@ class _Reference:
         v64j = self.v64[:, :, j, None, None]
         pv_stats = {**prefix(operand_stats(p, p_hat.values, p_hat.counts), "a"), **prefix(_k_slice(ops.stats["v"], j, like), "b")}
         self.rec.add(Product.PV, a, j, {**pv_stats, **product_stats(pv, p.to(v64j.dtype) @ v64j)})
-        lost = torch.where(p_hat.values == 0, p, 0.0).sum(-1)  # flushed P of each row
+        lost = (p - p * p_hat.values.sign()).sum(-1)  # flushed P of each row (P^ >= 0)
         self.log_lost[:, :, :, a - self.i0 :, :, j] = (m_use + torch.log(lost)).to(self.log_lost.dtype)
         if not full:
             s_ref = (s_ref if mask is None else mask.apply(s_ref, a, i1, j)).masked_fill(~keep, -math.inf)
@@ -801,20 +814,15 @@ def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, tracing: bo
     else:
         scores = _Operands(t.q_tiles(q), t.k_tiles(k), None, t.k_tiles(k), {})
     if recipe.backward is BackwardMode.FLASH:
-        quant = {
-            "do_dv": quantize_operand(do, recipe.dv_do, axis=-2, generator=gen, flags=tracing),
-            "do_dp": quantize_operand(do, recipe.dp_do, axis=-1, generator=gen, flags=tracing),
-            "v_dp": quantize_operand(v, recipe.dp_v, axis=-1, generator=gen, flags=tracing),
-            "k_dq": quantize_operand(k, recipe.dq_k, axis=-2, generator=gen, flags=tracing),
-            "q_dk": quantize_operand(q, recipe.dk_q, axis=-2, generator=gen, flags=tracing),
-        }
+        sources = {"do_dv": (do, "dv_do"), "do_dp": (do, "dp_do"), "v_dp": (v, "dp_v"), "k_dq": (k, "dq_k"), "q_dk": (q, "dk_q")}
+        quant = {name: _quantize_field(x, recipe, field, gen, tracing) for name, (x, field) in sources.items()}
     else:  # straight through: the forward's Q^ (with its mean added back), K^, V^
         q_eff = q_hat if mu is None else q_hat + t.q_untile(mu.expand(*mu.shape[:4], t.bm, mu.shape[-1]))
         quant = {
             "do_dv": _Quantized(do), "do_dp": _Quantized(do),
-            "v_dp": _forward_flags(v, v_hat, recipe.v, -2, tracing),
-            "k_dq": _forward_flags(k, k_hat, recipe.k, -1, tracing),
-            "q_dk": _forward_flags(q, q_eff, recipe.q, -1, tracing),
+            "v_dp": _forward_flags(v, v_hat, recipe, "v", tracing),
+            "k_dq": _forward_flags(k, k_hat, recipe, "k", tracing),
+            "q_dk": _forward_flags(q, q_eff, recipe, "q", tracing),
         }
     plain = {"do_dv": do, "do_dp": do, "v_dp": v, "k_dq": k, "q_dk": q}
     tiler = {"do_dv": t.q_tiles, "do_dp": t.q_tiles, "v_dp": t.k_tiles, "k_dq": t.k_tiles, "q_dk": t.q_tiles}
@@ -823,9 +831,9 @@ def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, tracing: bo
     return _BackwardOperands(scores=scores, stats=stats, **tiles)
 
 
-def _forward_flags(x, x_hat, spec, axis, tracing) -> _Quantized:
-    """The forward's quantized operand, with its flags recomputed for the trace."""
-    counts = quantize_operand(x, spec, axis=axis, flags=True).counts if tracing else None
+def _forward_flags(x, x_hat, recipe: AttentionRecipe, field: str, tracing: bool) -> _Quantized:
+    """The forward's quantized operand, with its trace counts recomputed."""
+    counts = _quantize_field(x, recipe, field, None, True).counts if tracing else None
     return _Quantized(x_hat, counts)
 
 
@@ -859,15 +867,15 @@ def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, 
         if recipe.backward is BackwardMode.STRAIGHT_THROUGH:
             p_dv = _quantize_p(p, s, lse_a, recipe, gen, tracing)
         else:
-            p_dv = quantize_operand(p, recipe.dv_p, axis=-2, generator=gen, per_tile=True, prescale=recipe.p_prescale, flags=tracing)
+            p_dv = _quantize_field(p, recipe, "dv_p", gen, tracing)
         dv_part = p_dv.values.transpose(-1, -2) @ ops.do_dv[:, :, :, a:i1]  # (B, Hkv, G, n, bn, Dv)
         dv[:, :, j] += dv_part.sum(dim=(2, 3))
         dp = ops.do_dp[:, :, :, a:i1] @ ops.v_dp[:, :, j, None, None].transpose(-1, -2)
         ds = p * (dp - delta[:, :, :, a:i1].unsqueeze(-1))  # dS = P * (dP - D)
-        ds_q = quantize_operand(ds, recipe.dq_ds, axis=-1, generator=gen, per_tile=True, prescale=recipe.ds_prescale, flags=tracing)
+        ds_q = _quantize_field(ds, recipe, "dq_ds", gen, tracing)
         dq_part = ds_q.values @ ops.k_dq[:, :, j, None, None]  # (B, Hkv, G, n, bm, D)
         dq[:, :, :, a - i0 :] += cfg.scale * dq_part
-        ds_k = quantize_operand(ds, recipe.dk_ds, axis=-2, generator=gen, per_tile=True, prescale=recipe.ds_prescale, flags=tracing)
+        ds_k = _quantize_field(ds, recipe, "dk_ds", gen, tracing)
         dk_part = ds_k.values.transpose(-1, -2) @ ops.q_dk[:, :, :, a:i1]  # (B, Hkv, G, n, bn, D)
         dk[:, :, j] += cfg.scale * dk_part.sum(dim=(2, 3))
         if tracing:
@@ -884,7 +892,7 @@ def _backward_stats(ops: _BackwardOperands, x: dict, s, full: bool, lse_a, a: in
     p64, ds64 = x["p"].to(q64.dtype), x["ds"].to(q64.dtype)
     keep = None if full else s > -math.inf
     rows = torch.isfinite(lse_a)
-    lost = torch.where(x["p_dv"].values == 0, x["p"], 0.0).sum(-1)
+    lost = (x["p"] - x["p"] * x["p_dv"].values.sign()).sum(-1)
     mass = torch.where(rows, lost, 0.0).double().sum(-1) / rows.sum(-1).double()
     records = {
         Product.DV: (operand_stats(x["p"], x["p_dv"].values, x["p_dv"].counts), _q_slice(st["do_dv"], a, i1),
