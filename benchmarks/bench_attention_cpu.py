@@ -1,0 +1,132 @@
+"""The simulation path's attention on the CPU: time against plain torch, and peak memory.
+
+(a) Time. Batch 1, 4 heads, seq 2048, head_dim 64, float32, recipe "nvfp4" (NVFP4 on all
+    twelve operands of the six products) with the trace on, forward plus backward, against
+    plain float32 torch attention forward plus backward of the same shape in the same
+    process: S = Q K^T / sqrt(d), P = softmax(S) materialised, O = P V, autograd backward.
+    Median of repeats after a warm-up. Goal (issue 3): within 4x of plain torch.
+(b) Memory. Seq 16384, 1 head, head_dim 64, float32, forward plus backward of the reference
+    path. Measured as peak resident-set growth: each case runs in a fresh child process,
+    which builds its inputs, warms up on a small call, reads its current RSS
+    (/proc/self/statm), runs, and reads its peak RSS (getrusage ru_maxrss); the growth is the
+    difference. It counts every byte the call touched (torch's CPU allocator, the trace's
+    tensors and DataFrame), not only Python objects (tracemalloc would miss torch's).
+    Goal (issue 3): under 256 MiB, a quarter of one dense 16384^2 float32 matrix (1 GiB).
+
+    python benchmarks/bench_attention_cpu.py [--repeats 3] [--skip-memory] [--skip-time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import fp4lab
+
+MiB = 1 << 20
+
+
+def inputs(heads: int, seq: int, dim: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, heads, seq, dim, generator=g) for _ in range(4)]
+
+
+def plain_step(q, k, v, do) -> None:
+    """Plain float32 attention, softmax(Q K^T / sqrt(d)) V materialised, forward + backward."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+    (p @ v).backward(do)
+
+
+def fp4lab_step(q, k, v, do, recipe: str, traced: bool) -> None:
+    """fp4lab's reference attention, forward + backward (trace frame built when traced)."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    trace = fp4lab.Trace() if traced else None
+    fp4lab.attention(q, k, v, recipe, trace=trace, backend="reference").backward(do)
+    if trace is not None:
+        trace.to_frame()
+
+
+def median_seconds(step, repeats: int) -> float:
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_case(repeats: int) -> None:
+    q, k, v, do = inputs(heads=4, seq=2048)
+    print("(a) time: batch 1, 4 heads, seq 2048, head_dim 64, float32, forward + backward, "
+          f"median of {repeats}")
+    plain = median_seconds(lambda: plain_step(q, k, v, do), repeats)
+    rows = [("plain torch float32 (materialised softmax)", plain)]
+    for recipe, traced in (("nvfp4", True), ("nvfp4", False), ("exact", False)):
+        seconds = median_seconds(lambda r=recipe, t=traced: fp4lab_step(q, k, v, do, r, t), repeats)
+        rows.append((f"fp4lab {recipe}, trace {'on' if traced else 'off'}", seconds))
+    print(f"{'case':45s} {'seconds':>8s} {'x plain':>8s}")
+    for name, seconds in rows:
+        print(f"{name:45s} {seconds:8.3f} {seconds / plain:7.1f}x")
+    print(f"goal: nvfp4 with the trace within 4x of plain torch -> {'met' if rows[1][1] <= 4 * plain else 'NOT met'}")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_child(recipe: str, traced: bool, seq: int) -> dict:
+    """Run in a fresh process: peak RSS growth of one forward + backward."""
+    q, k, v, do = inputs(heads=1, seq=seq)
+    small = inputs(heads=1, seq=256)
+    fp4lab_step(*small, recipe, traced)  # load every code path before measuring
+    before = rss_bytes()
+    start = time.perf_counter()
+    fp4lab_step(q, k, v, do, recipe, traced)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"growth": peak - before, "seconds": seconds}
+
+
+def memory_case(seq: int = 16384) -> None:
+    dense = seq * seq * 4
+    print(f"\n(b) memory: seq {seq}, 1 head, head_dim 64, float32, forward + backward; "
+          "peak RSS growth in a fresh process")
+    print(f"one dense {seq}^2 float32 matrix: {dense / MiB:.0f} MiB; goal: under {dense / 4 / MiB:.0f} MiB")
+    print(f"{'case':32s} {'peak growth MiB':>16s} {'seconds':>8s}  goal")
+    for recipe, traced in (("exact", False), ("nvfp4", False), ("nvfp4", True)):
+        code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+                f"import bench_attention_cpu as b; print(json.dumps(b.memory_child({recipe!r}, {traced}, {seq})))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        ok = "met" if result["growth"] < dense / 4 else "NOT met"
+        name = f"fp4lab {recipe}, trace {'on' if traced else 'off'}"
+        print(f"{name:32s} {result['growth'] / MiB:16.1f} {result['seconds']:8.1f}  {ok}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp4lab {fp4lab.__version__}")
+    if not args.skip_time:
+        time_case(args.repeats)
+    if not args.skip_memory:
+        memory_case()
+
+
+if __name__ == "__main__":
+    main()
