@@ -76,50 +76,77 @@ def attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention, FlashAttention-style, with quantized operands.
 
-    softmax(scale * Q K^T + mask) V for q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv),
-    returning (B, H, Sq, Dv) in q's dtype, like `F.scaled_dot_product_attention`, with a
-    backward. H must be a multiple of Hkv: query head h uses key/value head h // (H / Hkv)
-    (grouped-query attention, SDPA's ``enable_gqa=True`` layout).
+    Computes softmax(scale * Q K^T + mask) V for q (B, H, Sq, D), k (B, Hkv, Sk, D) and
+    v (B, Hkv, Sk, Dv) and returns (B, H, Sq, Dv) in q's dtype, like
+    `F.scaled_dot_product_attention`, with a backward, so it replaces SDPA in a model. H must
+    be a multiple of Hkv: query head h uses key/value head h // (H / Hkv) (grouped-query
+    attention in SDPA's ``enable_gqa=True`` layout). Each operand of the six products is
+    quantized as `recipe` says; with the "exact" recipe this is FlashAttention-2 itself.
+
+    Example::
+
+        trace = Trace()
+        out = attention(q, k, v, "fa4fp4_causal", causal=True, trace=trace)
+        out.backward(do)
+        frame = trace.to_frame()  # one row per (product, batch, head, q tile, k tile)
+        frame[frame["product"] == "dv"].pivot_table("b_flushed", "q_tile", "k_tile")
 
     Args:
         q, k, v: floating-point tensors of one dtype and device. float64 inputs are computed
-            in float64, everything else in float32 (and returned in its own dtype).
-        recipe: an `AttentionRecipe`, or a registered name: a preset ("exact", "bf16",
+            in float64, all others in float32 (and returned in their own dtype); model
+            float32 accumulation with float32 inputs.
+        recipe: an `AttentionRecipe` or a registered name: a preset ("exact", "bf16",
             "fp8_per_tensor", "fa3_fp8", "sageattn3", "attn_qat_dropin", "attn_qat",
-            "fa4fp4_directp", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv", "croissattn"), a
-            user's registered recipe, or a format or QuantSpec name meaning that format on
-            every operand ("nvfp4").
-        causal: mask aligned top-left, exactly as SDPA's ``is_causal``: query i sees keys
-            j <= i, whatever Sq and Sk are.
+            "fa4fp4_directp", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv", "croissattn"; each
+            preset's ``doc`` cites its source and assumptions), a recipe the user registered
+            with `fp4lab.formats.register`, or the name of a format or QuantSpec, meaning it
+            on every operand ("nvfp4").
+        causal: the causal mask aligned top-left exactly as SDPA's ``is_causal``: query i
+            sees keys j <= i, whatever Sq and Sk. Key tiles no query of a query tile can see
+            are skipped.
         scale: softmax scale; 1 / sqrt(D) by default.
-        trace: a `Trace` to record per-tile statistics into (forward now, backward when it
-            runs).
-        generator: torch.Generator or int seed for stochastic rounding; required when the
-            recipe rounds stochastically, and recorded in the trace. The backward draws from
-            the same generator after the forward.
-        block_m, block_n: query and key tile sizes (positive; multiples of the blocks of the
-            operands quantized along the query and key sequences).
+        trace: a `Trace` that records per-tile statistics of this call: the forward's now,
+            the backward's when backward() runs.
+        generator: torch.Generator or int seed for stochastic rounding, required when the
+            recipe rounds stochastically and recorded in the trace; the backward draws from
+            it after the forward, so one seed reproduces forward and backward bit for bit.
+        block_m, block_n: query and key tile sizes, FlashAttention's Br and Bc (positive;
+            multiples of the blocks P and dS are quantized in along them). Tiles need not
+            divide Sq and Sk.
         attn_mask: optional mask broadcastable to (B, H, Sq, Sk), boolean (True takes part)
-            or additive float, as SDPA's.
+            or additive float, as SDPA's; it gets no gradient.
 
-    Algorithm, per query tile i and key tile j (FlashAttention-2, Algorithm 1):
-        S = scale * Q^_i K^_j^T (+ mask);  m' = max(m, rowmax S);  P = exp(S - m')
-        P^ = quantized P (recipe.p_quant);  l = e^(m - m') l + rowsum(P or P^)
-        acc = e^(m - m') acc + P^ V^_j;  finally O = acc / l, lse = m + log l.
-    The backward (Algorithm 2) rebuilds P = exp(S - lse) from the quantized or unquantized
-    Q, K (recipe.backward_p), D = rowsum(dO * O) (recipe.delta), and runs dV = P^T dO,
-    dP = dO V^T, dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q with the operands the
-    recipe names (recipe.backward).
+    What runs, per query tile i and key tile j (FlashAttention-2, Algorithm 1):
 
-    Fully masked rows (a boolean mask excluding every key of a row, or Sk = 0) give an
+        S = scale * Q^_i K^_j^T (+ mask)             Q^, K^: recipe.q, recipe.k along D
+        m' = max(m, rowmax S);  P = exp(S - m')      the online softmax's running max
+        P^ = recipe.p_quant of P                      recipe.p along the keys, per tile
+        l = e^(m - m') l + rowsum(P or P^)            recipe.row_sum
+        acc = e^(m - m') acc + P^ V^_j                V^: recipe.v along the keys
+        O = acc / l,  lse = m + log l
+
+    and the backward (Algorithm 2) rebuilds P = exp(S - lse) from the quantized or
+    unquantized Q, K (recipe.backward_p), takes D = rowsum(dO * O) (recipe.delta) and runs
+    dV = P^T dO, dP = dO V^T, dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q on the
+    operands recipe.backward names (each quantized along its product's reduction axis).
+    Q, K, V and dO are quantized once as whole tensors, P and dS tile by tile (a tensor
+    scale of theirs is per tile). Softmax-invariant rewrites (K smoothing, incoherent
+    processing) are applied to q, k before, as differentiable torch operations.
+
+    Fully masked rows (a boolean mask that excludes every key of a row, or Sk = 0) give an
     output row of zeros and zero gradients, as SDPA's CPU and flash kernels do. NaN in q, k
-    or v reaches the rows that attend to it, and, through block scales, the rows sharing a
-    quantization block with it.
+    or v reaches the rows that attend to it, and through quantization blocks the rows that
+    share a block (or a per-tile tensor scale) with it; the trace counts it.
+
+    Cost: vectorised over batch, heads and query tiles (in chunks that bound memory), a
+    Python loop over key tiles; memory grows with seq x block_n, never seq^2. A trace
+    roughly doubles or triples the time (its reference products run in float64 by default).
 
     Raises:
-        TypeError: q, k, v not floating-point tensors of one dtype; a bad recipe type.
+        TypeError: q, k, v not floating-point tensors of one dtype; a recipe of a wrong type.
         ValueError: shapes that do not agree, different devices, an unknown recipe, a
-            head_dim or tile size the recipe's blocks cannot tile, a missing generator.
+            head_dim or tile size the recipe's blocks cannot tile, a stochastic recipe
+            without a generator, a bad attn_mask.
     """
     recipe = resolve_recipe(recipe)
     _check_inputs(q, k, v, attn_mask)
