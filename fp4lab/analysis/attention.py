@@ -40,12 +40,23 @@ import torch
 import torch.nn.functional as F
 
 from fp4lab.analysis.recipe import (
-    AttentionRecipe, BackwardMode, BackwardP, DeltaSource, PQuant, Product, RowSum,
+    AttentionRecipe,
+    BackwardMode,
+    BackwardP,
+    DeltaSource,
+    PQuant,
+    Product,
+    RowSum,
     resolve_recipe,
 )
 from fp4lab.analysis.trace import Trace, TraceCall, operand_stats, prefix, product_stats
 from fp4lab.formats import (
-    FloatFormat, QuantSpec, ScaleArithmetic, as_generator, hadamard_matrix, round_to_format,
+    FloatFormat,
+    QuantSpec,
+    ScaleArithmetic,
+    as_generator,
+    hadamard_matrix,
+    round_to_format,
 )
 from fp4lab.formats.quantize import _FLT_MAX, _hadamard, _layout, _round_scale
 
@@ -634,10 +645,10 @@ class _Running:
         scale = alpha if value.ndim == alpha.ndim else alpha.unsqueeze(-1)
         part.mul_(scale.to(part.dtype)).add_(value)
 
-    def finish(self, acc: str, l: str):
+    def finish(self, acc: str, denominator: str):
         """O = acc / l (0 for fully masked rows, as SDPA) and lse = m + log l (+inf there, so
         that the backward's exp(S - lse) is 0)."""
-        denom = self.sums[l]
+        denom = self.sums[denominator]
         empty = denom == 0
         out = torch.where(empty.unsqueeze(-1), 0.0, self.sums[acc] / denom.unsqueeze(-1))
         lse = torch.where(empty, math.inf, self.m + torch.log(denom))
@@ -728,7 +739,7 @@ def _forward(q, k, v, cfg: _Config, t: _Tiling, rec: TraceCall | None):
     v_tiles = t.k_tiles(v_hat.values)
     mask = _mask_tiles(cfg, t)
     pieces = [_forward_chunk(ops, v_tiles, cfg, t, mask, i0, i1, rec) for i0, i1 in t.chunks()]
-    o, lse, o_prime = (torch.cat(x, dim=3) if x[0] is not None else None for x in zip(*pieces))
+    o, lse, o_prime = (torch.cat(x, dim=3) if x[0] is not None else None for x in zip(*pieces, strict=True))
     saved = (q_hat.values, k_hat.values, v_hat.values, mu)
     return t.q_untile(o), lse, (t.q_untile(o_prime) if o_prime is not None else None), saved
 

@@ -33,7 +33,15 @@ import math
 from dataclasses import dataclass
 
 from fp4lab.formats import (
-    BF16, FP4_E2M1, FP8_E4M3FN, FP32, FloatFormat, QuantSpec, Rounding, ScaleRule, get,
+    BF16,
+    FP4_E2M1,
+    FP8_E4M3FN,
+    FP32,
+    FloatFormat,
+    QuantSpec,
+    Rounding,
+    ScaleRule,
+    get,
     register,
 )
 
@@ -320,7 +328,7 @@ class AttentionRecipe:
         return self.name
 
     @classmethod
-    def uniform(cls, name: str, spec: QuantSpec | FloatFormat | str, **variants) -> "AttentionRecipe":
+    def uniform(cls, name: str, spec: QuantSpec | FloatFormat | str, **variants) -> AttentionRecipe:
         """A recipe that quantizes every operand of all six products with `spec`."""
         return cls(name=name, **{f: spec for f in _OPERAND_FIELDS}, **variants)
 

@@ -80,7 +80,7 @@ class Trace:
         self.reference_dtype = reference_dtype
         self.calls: list[TraceCall] = []
 
-    def begin(self, recipe: str, dims: tuple[int, ...], meta: dict) -> "TraceCall":
+    def begin(self, recipe: str, dims: tuple[int, ...], meta: dict) -> TraceCall:
         """Open the record of one attention call (used by `attention`)."""
         call = TraceCall(len(self.calls), recipe, dims, dict(meta))
         self.calls.append(call)
@@ -186,13 +186,13 @@ def operand_stats(x: torch.Tensor, xq: torch.Tensor, counts: dict | None = None)
     x's precision; results are float64.
     """
     dims = (-2, -1)
-    nonzero = (x != 0).sum(dims)
+    nonzero = count_nonzero(x)
     diff = torch.linalg.vector_norm(xq - x, dim=dims).double()
     norm = torch.linalg.vector_norm(x, dim=dims).double()
     stats = {
         "err": torch.where(diff == 0, 0.0, diff / norm),
         # quantization maps 0 to 0, so the nonzeros lost are the ones flushed
-        "flushed": _fraction(nonzero - (xq != 0).sum(dims), nonzero),
+        "flushed": _fraction(nonzero - count_nonzero(xq), nonzero),
         "nan": _nan_count(xq, diff),
     }
     counts = counts or {}
@@ -211,6 +211,12 @@ def product_stats(y: torch.Tensor, y_ref: torch.Tensor) -> dict[str, torch.Tenso
     diff = torch.linalg.vector_norm(y.to(y_ref.dtype) - y_ref, dim=dims).double()
     norm = torch.linalg.vector_norm(y_ref, dim=dims).double()
     return {"prod_err": torch.where(diff == 0, 0.0, diff / norm), "prod_nan": _nan_count(y, diff)}
+
+
+def count_nonzero(x: torch.Tensor) -> torch.Tensor:
+    """Nonzero elements of each tile (..., rows, cols), as |sign x| summed: float arithmetic
+    is an order of magnitude faster than boolean masks on CPU (NaN tiles give NaN)."""
+    return x.sign().abs_().sum((-2, -1), dtype=torch.float64)
 
 
 def _nan_count(y: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,22 @@ from hypothesis import strategies as st
 from fp4lab.analysis import Trace, attention, patch_sdpa
 from fp4lab.analysis.attention import _direct_p, _quantize_p, quantize_operand
 from fp4lab.analysis.recipe import (
-    PRESETS, AttentionRecipe, BackwardP, DeltaSource, PQuant, RowSum, resolve_recipe,
+    PRESETS,
+    AttentionRecipe,
+    BackwardP,
+    PQuant,
+    RowSum,
+    resolve_recipe,
 )
 from fp4lab.formats import (
-    FP4_E2M1, PRESETS as SPEC_PRESETS, FloatFormat, QuantSpec, fake_quantize, get, round_to_format,
+    FP4_E2M1,
+    FloatFormat,
+    fake_quantize,
+    get,
+    round_to_format,
+)
+from fp4lab.formats import (
+    PRESETS as SPEC_PRESETS,
 )
 
 F64 = torch.float64
@@ -93,8 +105,8 @@ def dense_attention(q, k, v, recipe, causal=False):
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - m)
     p_hat = fq_tiles(p, recipe.p, -1, recipe.p_prescale)
-    l = (p_hat if recipe.row_sum is RowSum.QUANTIZED_P else p).sum(-1, keepdim=True)
-    return p_hat @ vh / l, m + torch.log(l)
+    denom = (p_hat if recipe.row_sum is RowSum.QUANTIZED_P else p).sum(-1, keepdim=True)
+    return p_hat @ vh / denom, m + torch.log(denom)
 
 
 def dense_backward(q, k, v, do, o, lse, recipe, causal=False):
@@ -135,7 +147,7 @@ def test_exact_float64_matches_sdpa(shape, causal):
     out = attention(q, k, v, causal=causal, block_m=16, block_n=32)
     ref = sdpa(q, k, v, causal)
     close(out, ref, 1e-10)
-    for g, g_ref in zip(grads(out, (q, k, v), do), grads(ref, (q, k, v), do)):
+    for g, g_ref in zip(grads(out, (q, k, v), do), grads(ref, (q, k, v), do), strict=True):
         close(g, g_ref, 1e-10)
 
 
@@ -155,7 +167,7 @@ def test_exact_matches_sdpa_over_shapes_masks_and_gqa(b, hk, group, sq, sk, d, c
     out = attention(q, k, v, causal=causal, block_m=bm, block_n=bn, attn_mask=mask)
     ref = sdpa(q, k, v, causal, mask)
     close(out, ref, 1e-10)
-    for g_out, g_ref in zip(grads(out, (q, k, v), do), grads(ref, (q, k, v), do)):
+    for g_out, g_ref in zip(grads(out, (q, k, v), do), grads(ref, (q, k, v), do), strict=True):
         close(g_out, g_ref, 1e-10)
 
 
@@ -177,11 +189,11 @@ def test_exact_float32_within_flash_attention_budget(causal):
     for fn in (plain, lambda q, k, v: attention(q, k, v, causal=causal, block_m=64, block_n=64)):
         out = fn(q, k, v)
         errs = [(out.double() - ref).abs().max()] + [
-            (g.double() - r).abs().max() for g, r in zip(grads(out, (q, k, v), do64.float()), ref_grads)
+            (g.double() - r).abs().max() for g, r in zip(grads(out, (q, k, v), do64.float()), ref_grads, strict=True)
         ]
         if fn is plain:
             budget = [2 * e for e in errs]
-    assert all(e <= b for e, b in zip(errs, budget)), (errs, budget)
+    assert all(e <= b for e, b in zip(errs, budget, strict=True)), (errs, budget)
 
 
 def test_causal_mask_is_top_left_like_sdpa():
@@ -233,7 +245,7 @@ def test_chunking_of_query_tiles_does_not_change_quantized_results(monkeypatch, 
     monkeypatch.setattr(attention_module, "_CHUNK_ELEMENTS", 16 * 32)
     out2 = attention(q, k, v, recipe, causal=True, block_m=16, block_n=32)
     close(out, out2, 1e-13)
-    for a, b in zip(g, grads(out2, (q, k, v), do)):
+    for a, b in zip(g, grads(out2, (q, k, v), do), strict=True):
         close(a, b, 1e-12)
 
 
@@ -297,7 +309,7 @@ def test_one_tile_equals_the_dense_fake_quantized_formula(name, causal):
     close(out, o_ref, 1e-12)
     got = grads(out, (q, k, v), do)
     want = dense_backward(q.detach(), k.detach(), v.detach(), do, out.detach(), lse, recipe, causal)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         close(g, w, 1e-11)
 
 
@@ -343,7 +355,7 @@ def test_sageattn3_smoothing_leaves_the_unquantized_output_unchanged():
         out = attention(q, k_shifted, v, smooth, causal=causal, block_m=16, block_n=32)
         ref = attention(q, k_shifted, v, causal=causal)
         close(out, ref, 1e-12)
-        for g, r in zip(grads(out, (q, k_shifted, v), do), grads(ref, (q, k_shifted, v), do)):
+        for g, r in zip(grads(out, (q, k_shifted, v), do), grads(ref, (q, k_shifted, v), do), strict=True):
             close(g, r, 1e-11)
     # quantized, the smoothing removes what the offset costs FP4
     q, k, v = qkv(1, 2, 2, 64, 64, 64, seed=44)
@@ -385,7 +397,7 @@ def test_attn_qat_backward_is_straight_through_its_forward():
     out = attention(q, k, v, recipe, block_m=64, block_n=64)
     ref = dense_ste_attention(q, k, v, recipe)
     close(out, ref, 1e-12)
-    for g, r in zip(grads(out, (q, k, v), do), grads(ref, (q, k, v), do)):
+    for g, r in zip(grads(out, (q, k, v), do), grads(ref, (q, k, v), do), strict=True):
         close(g, r, 1e-10)
 
 
@@ -398,10 +410,10 @@ def test_attn_qat_dropin_backward_recomputes_p_from_unquantized_qk():
     lse = torch.logsumexp(s_q, -1, keepdim=True)  # the forward's lse: unquantized P of S^
     want = dense_backward(q.detach(), k.detach(), v.detach(), do, out.detach(), lse, dataclasses.replace(recipe, p=None, q=None, k=None, v=None, p_quant=PQuant.SPEC), False)
     got = grads(out, (q, k, v), do)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         close(g, w, 1e-11)
     qat = grads(attention(q, k, v, "attn_qat", block_m=64, block_n=64), (q, k, v), do)
-    assert all(not torch.allclose(a, b) for a, b in zip(got, qat))
+    assert all(not torch.allclose(a, b) for a, b in zip(got, qat, strict=True))
 
 
 @pytest.mark.parametrize("name", ["fa4fp4_directp", "fa4fp4_causal_mxfp4pv", "croissattn"])
@@ -480,7 +492,7 @@ def test_fa4fp4_backward_rebuilds_p_from_the_quantized_qk():
     s = (s + (s_hat - s).detach()).masked_fill(~causal_mask(48, 48), -math.inf)
     ref = s.softmax(-1) @ v
     close(out, ref, 1e-12)
-    for g, r in zip(grads(out, (q, k, v), do), grads(ref, (q, k, v), do)):
+    for g, r in zip(grads(out, (q, k, v), do), grads(ref, (q, k, v), do), strict=True):
         close(g, r, 1e-11)
 
 
@@ -494,8 +506,8 @@ def test_croissattn_rounds_the_backward_stochastically_and_reproducibly():
     (o1, g1), (o1b, g1b) = runs[1]
     o2, g2 = runs[2][0]
     assert torch.equal(o1, o2)  # the forward rounds to nearest
-    assert all(torch.equal(a, b) for a, b in zip(g1, g1b))  # same seed, same bits
-    assert all(not torch.equal(a, b) for a, b in zip(g1, g2))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g1b, strict=True))  # same seed, same bits
+    assert all(not torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
     with pytest.raises(ValueError, match="generator"):
         attention(q, k, v, "croissattn")
 
@@ -516,7 +528,7 @@ def test_every_recipe_runs_finite_and_reproducibly(name, hk, group, sq, sk, d, c
     (out, g), (out2, g2) = results
     assert out.shape == (1, hk * group, sq, d) and out.dtype == torch.float32
     assert torch.isfinite(out).all() and all(torch.isfinite(x).all() for x in g)
-    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(g, g2))
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(g, g2, strict=True))
 
 
 # -- NaN and bad input -------------------------------------------------------------------------------

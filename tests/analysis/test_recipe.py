@@ -7,7 +7,14 @@ import torch
 
 from fp4lab.analysis import attention
 from fp4lab.analysis.recipe import (
-    PRESETS, AttentionRecipe, BackwardMode, BackwardP, DeltaSource, PQuant, Product, RowSum,
+    PRESETS,
+    AttentionRecipe,
+    BackwardMode,
+    BackwardP,
+    DeltaSource,
+    PQuant,
+    Product,
+    RowSum,
     resolve_recipe,
 )
 from fp4lab.formats import BF16, FP8_E4M3FN, QuantSpec, Rounding, get, names, unregister

@@ -8,8 +8,8 @@ import torch
 
 from fp4lab.analysis import AttentionRecipe, Trace, attention
 from fp4lab.analysis.trace import OPERAND_COLUMNS, OUT_COLUMNS, PRODUCT_COLUMNS
-from fp4lab.formats import FP8_E4M3FN, fake_quantize, get, round_to_format
-from tests.analysis.test_attention import F64, causal_mask, close, qkv, rand
+from fp4lab.formats import FP8_E4M3FN, fake_quantize, round_to_format
+from tests.analysis.test_attention import causal_mask, qkv, rand
 
 ID_COLUMNS = ["call", "recipe", "product", "a_name", "b_name", "batch", "head", "kv_head", "q_tile", "k_tile"]
 STAT_COLUMNS = [f"{s}_{c}" for s in "ab" for c in OPERAND_COLUMNS] + list(PRODUCT_COLUMNS) + list(OUT_COLUMNS)
@@ -61,7 +61,7 @@ def test_calls_are_numbered_and_empty_trace_has_the_columns():
     attention(q, k, v, trace=trace)
     attention(q, k, v, "nvfp4", trace=trace)
     frame = trace.to_frame()
-    assert sorted(set(zip(frame["call"], frame["recipe"]))) == [(0, "exact"), (1, "nvfp4")]
+    assert sorted(set(zip(frame["call"], frame["recipe"], strict=True))) == [(0, "exact"), (1, "nvfp4")]
     with pytest.raises(ValueError, match="reference_dtype"):
         Trace(reference_dtype=torch.float16)
 
@@ -148,7 +148,7 @@ def test_clipped_counts_the_saturation_of_ocp_floor_scales():
 
 @pytest.mark.parametrize("magnitude, column", [(1e-5, "a_scale_underflow"), (1e4, "a_scale_overflow")])
 def test_block_scales_out_of_the_scale_formats_range(magnitude, column):
-    q, k, v = (x * s for x, s in zip(qkv(1, 1, 1, 16, 16, 32), (magnitude, 1.0, 1.0)))
+    q, k, v = (x * s for x, s in zip(qkv(1, 1, 1, 16, 16, 32), (magnitude, 1.0, 1.0), strict=True))
     one_level, _ = traced(q, k, v, AttentionRecipe(name="q_1l", q="nvfp4_1level"), block_m=16, block_n=16)
     assert rows(one_level, "qk")[column].iloc[0] == 1.0
     two_level, _ = traced(q, k, v, AttentionRecipe(name="q_2l", q="nvfp4"), block_m=16, block_n=16)
