@@ -68,7 +68,8 @@ class GradientBias:
         samples: the number of draws run (1 for a deterministic recipe).
         seed: the seed given; `seeds` the generator seed of each draw.
         tensors: one row per gradient (dq, dk, dv).
-        tiles: one row per gradient and tile.
+        tiles: one row per gradient and tile: dQ's query tiles (block_m rows of one batch
+            and query head), dK's and dV's key tiles (block_n rows of one batch and KV head).
         convergence: one row per gradient and n (1, 2, 4, ..., samples).
         note: how to read the result.
     """
@@ -118,27 +119,42 @@ def gradient_bias(
         causal, scale, block_m, block_n: as for `attention`.
     """
     recipe = resolve_recipe(recipe)
-    if not isinstance(samples, int) or isinstance(samples, bool) or samples < (2 if recipe.stochastic else 1):
-        raise ValueError(f"samples must be an int of at least 2 for stochastic recipe {recipe.name!r}, got {samples!r}")
-    n = samples if recipe.stochastic else 1
+    n = _check_samples(samples, recipe)
     seeds = derive_seeds(seed, n)
     options = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)
-    exact = dict(zip(GRADIENTS, exact_reference(q, k, v, do, **options)[1:], strict=True))
-    tiles = {name: _tile_shape(name, block_m, block_n) for name in GRADIENTS}
-    acc = {name: _Accumulator(exact[name], tiles[name]) for name in GRADIENTS}
-    for i, s in enumerate(seeds):
-        grads = forward_backward(q, k, v, do, recipe, trace=None, generator=s if recipe.stochastic else None, **options)[1:]
+    exact = exact_reference(q, k, v, do, **options)[1:]
+    acc = {name: _Accumulator(g, block_m if name == "dq" else block_n) for name, g in zip(GRADIENTS, exact, strict=True)}
+    for i, s in enumerate(seeds, start=1):
+        generator = s if recipe.stochastic else None
+        grads = forward_backward(q, k, v, do, recipe, trace=None, generator=generator, **options)[1:]
         for name, g in zip(GRADIENTS, grads, strict=True):
-            acc[name].add(g, record=_is_checkpoint(i + 1, n))
+            acc[name].add(g, record=_is_checkpoint(i, n))
     return GradientBias(
         recipe=recipe.name, stochastic=recipe.stochastic, samples=n, seed=seed, seeds=seeds,
-        tensors=pd.DataFrame([{"tensor": name, **acc[name].tensor_stats()} for name in GRADIENTS]),
-        tiles=pd.concat([acc[name].tile_stats().assign(tensor=name) for name in GRADIENTS], ignore_index=True)
-        .reindex(columns=["tensor", "batch", "head", "tile", "rel_bias", "se", "t", "p_value"]),
-        convergence=pd.concat([acc[name].curve().assign(tensor=name) for name in GRADIENTS], ignore_index=True)
-        .reindex(columns=["tensor", "n", "rel_mse", "noise_only"]),
+        tensors=pd.DataFrame([{"tensor": name, **a.tensor_stats()} for name, a in acc.items()]),
+        tiles=_stack({name: a.tile_stats() for name, a in acc.items()}, _TILE_COLUMNS),
+        convergence=_stack({name: a.curve() for name, a in acc.items()}, _CURVE_COLUMNS),
         note=_note(recipe, n),
     )
+
+
+_TILE_COLUMNS = ["tensor", "batch", "head", "tile", "rel_bias", "se", "t", "p_value"]
+_CURVE_COLUMNS = ["tensor", "n", "rel_mse", "noise_only"]
+
+
+def _stack(frames: dict[str, pd.DataFrame], columns: list[str]) -> pd.DataFrame:
+    """One frame of the per-gradient frames, with a `tensor` column."""
+    stacked = pd.concat([f.assign(tensor=name) for name, f in frames.items()], ignore_index=True)
+    return stacked.reindex(columns=columns)
+
+
+def _check_samples(samples, recipe: AttentionRecipe) -> int:
+    """The number of draws to run: `samples` for a stochastic recipe, 1 otherwise."""
+    least = 2 if recipe.stochastic else 1
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < least:
+        kind = "stochastic" if recipe.stochastic else "deterministic"
+        raise ValueError(f"samples must be an int of at least {least} for {kind} recipe {recipe.name!r}, got {samples!r}")
+    return samples if recipe.stochastic else 1
 
 
 def _note(recipe: AttentionRecipe, n: int) -> str:
@@ -147,11 +163,6 @@ def _note(recipe: AttentionRecipe, n: int) -> str:
                 "freedom when the recipe is unbiased")
     return ("deterministic recipe: every draw gives the same gradient, so the bias is the error "
             "itself and one sample suffices (se = 0, t = +-inf where the bias is nonzero)")
-
-
-def _tile_shape(name: str, block_m: int, block_n: int) -> int:
-    """Rows of a tile along the sequence: query tiles for dQ, key tiles for dK and dV."""
-    return block_m if name == "dq" else block_n
 
 
 def _is_checkpoint(i: int, n: int) -> bool:

@@ -129,8 +129,10 @@ def test_deterministic_recipe_bias_is_its_error(x):
 
 
 def test_bad_arguments_are_named(x):
-    with pytest.raises(ValueError, match="samples"):
+    with pytest.raises(ValueError, match="samples must be an int of at least 2 for stochastic"):
         gradient_bias(x.q, x.k, x.v, x.do, UNBIASED, samples=1, **OPTS)
+    with pytest.raises(ValueError, match="at least 1 for deterministic recipe 'exact'"):
+        gradient_bias(x.q, x.k, x.v, x.do, "exact", samples=0, **OPTS)
     with pytest.raises(ValueError, match="seed"):
         gradient_bias(x.q, x.k, x.v, x.do, UNBIASED, samples=2, seed=-1, **OPTS)
     with pytest.raises(ValueError, match="recipe"):
