@@ -22,12 +22,12 @@ activations have more of it than Gaussians:
   and some tokens matter much more than others).
 
 The model, for query/key head h, token t and channel c (all draws independent, N = normal):
-    Q[t, c] = a_c * s_q[t] * N(0, 1),      plus `sink_query` on the sink channel
-    K[t, c] = a_c * s_k[t] * N(0, 1) + mu[c],  K[0, sink channel] = sink_logit sqrt(D) / sink_query
-    V[t, c] = b_c * StudentT(v_dof),       V[0, :] *= sink_value_scale
+    Q[t, c] = a_c * s_q[t] * N(0, 1),           except Q[t, sink] = sink_query
+    K[t, c] = a_c * s_k[t] * N(0, 1) + mu[c],   except K[0, sink] = sink_logit sqrt(D) / sink_query
+    V[t, c] = b_c * StudentT(v_dof),            except V[0, :] = sink_value_scale * that
     dO[t, c] = do_scale * s_o[t] * N(0, 1)
-with a_c = outlier_scale on `outlier_channels` random channels (1 elsewhere; the last channel
-is the sink channel and never an outlier), log s_q, log s_k ~ N(0, token_scale_sigma^2),
+with a_c = outlier_scale on `outlier_channels` random channels (1 elsewhere; the sink
+channel is the last one and never an outlier), log s_q, log s_k ~ N(0, token_scale_sigma^2),
 mu = k_mean * N(0, 1) per channel (times a_c), log b_c ~ N(0, v_channel_sigma^2),
 log s_o ~ N(0, do_token_sigma^2). Every query's score with key 0 is then about `sink_logit`
 above its typical score (the queries' sink-channel constant times the sink key's entry, over
