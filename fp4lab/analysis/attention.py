@@ -667,13 +667,26 @@ class _Operands:
     stats: dict
 
 
+def _rows_times(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x (B, Hkv, G, n, r, c) @ y (B, Hkv, c, e): every row of every tile of one (batch, KV
+    head) in one matrix product, (B, Hkv, G, n, r, e)."""
+    b, h, g, n, r, c = x.shape
+    return (x.reshape(b, h, g * n * r, c) @ y).view(b, h, g, n, r, y.shape[-1])
+
+
+def _rows_t_times(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sum over the tiles' rows of x^T y: x (B, Hkv, G, n, r, c), y (B, Hkv, G, n, r, e)
+    -> (B, Hkv, c, e), one matrix product per (batch, KV head) (dV and dK's reduction)."""
+    b, h, g, n, r, c = x.shape
+    return x.reshape(b, h, g * n * r, c).transpose(-1, -2) @ y.reshape(b, h, g * n * r, y.shape[-1])
+
+
 def _scores(ops: _Operands, cfg: _Config, t: _Tiling, mask, a: int, i1: int, j: int):
     """Scores of query tiles [a, i1) against key tile j, before and after masking, and
     whether the masks left every entry (then the trace need not mask its statistics)."""
-    kj = ops.k[:, :, j, None, None]  # (B, Hkv, 1, 1, bn, D)
-    s = cfg.scale * (ops.q[:, :, :, a:i1] @ kj.transpose(-1, -2))  # (B, Hkv, G, n, bm, bn)
+    s = _rows_times(ops.q[:, :, :, a:i1], ops.k[:, :, j].transpose(-1, -2)).mul_(cfg.scale)
     if ops.mu is not None:  # SageAttention2's correction term, in the working precision
-        s = s + cfg.scale * (ops.mu[:, :, :, a:i1] @ ops.k_plain[:, :, j, None, None].transpose(-1, -2))
+        s = s + cfg.scale * _rows_times(ops.mu[:, :, :, a:i1], ops.k_plain[:, :, j].transpose(-1, -2))
     masked = s if mask is None else mask.apply(s, a, i1, j)
     valid = t.valid(a, i1, j, s.device)
     full = mask is None and bool(valid.all())
@@ -755,12 +768,12 @@ def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: in
         s_raw, s, full = _scores(ops, cfg, t, mask, a, i1, j)
         p, m_use, alpha = run.step(a - i0, s)
         p_hat = _quantize_p(p, s, m_use, recipe, cfg.generator, flags=rec is not None)
-        pv = p_hat.values @ v_tiles[:, :, j, None, None]  # (B, Hkv, G, n, bm, Dv)
+        pv = _rows_times(p_hat.values, v_tiles[:, :, j])  # (B, Hkv, G, n, bm, Dv)
         consumed, plain = p_hat.values.sum(-1), p.sum(-1)
         run.add("l", a - i0, alpha, consumed if recipe.row_sum is RowSum.QUANTIZED_P else plain)
         run.add("acc", a - i0, alpha, pv)
         if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:  # Attn-QAT's O' = (P V^) / sum P
-            run.add("acc_prime", a - i0, alpha, p @ v_tiles[:, :, j, None, None])
+            run.add("acc_prime", a - i0, alpha, _rows_times(p, v_tiles[:, :, j]))
             run.add("l_prime", a - i0, alpha, plain)
         if ref is not None:
             run.add("l_consumed", a - i0, alpha, consumed)
@@ -792,20 +805,20 @@ class _Reference:
     def tile(self, a, j, scores, p, p_hat, pv, m_use, mask, cfg) -> None:
         """Statistics of qk and pv on query tiles [a, i1) x key tile j; exact softmax step."""
         (s_raw, s, full), ops, i1, like = scores, self.ops, self.i1, scores[1][..., 0, 0]
-        s_ref = cfg.scale * (self.q64[:, :, :, a:i1] @ self.k64[:, :, j, None, None].transpose(-1, -2))
+        s_ref = _rows_times(self.q64[:, :, :, a:i1], self.k64[:, :, j].transpose(-1, -2)).mul_(cfg.scale)
         keep = None if full else s > -math.inf  # entries the masks leave
         qk = {**prefix(_q_slice(ops.stats["q"], a, i1), "a"), **prefix(_k_slice(ops.stats["k"], j, like), "b")}
         self.rec.add(Product.QK, a, j, {**qk, **_masked_product_stats(s_raw, s_ref, keep)})
-        v64j = self.v64[:, :, j, None, None]
+        v64j = self.v64[:, :, j]
         pv_stats = {**prefix(operand_stats(p, p_hat.values, p_hat.counts), "a"), **prefix(_k_slice(ops.stats["v"], j, like), "b")}
-        self.rec.add(Product.PV, a, j, {**pv_stats, **product_stats(pv, p.to(v64j.dtype) @ v64j)})
+        self.rec.add(Product.PV, a, j, {**pv_stats, **product_stats(pv, _rows_times(p.to(v64j.dtype), v64j))})
         lost = (p - p * p_hat.values.sign()).sum(-1)  # flushed P of each row (P^ >= 0)
         self.log_lost[:, :, :, a - self.i0 :, :, j] = (m_use + torch.log(lost)).to(self.log_lost.dtype)
         if not full:
             s_ref = (s_ref if mask is None else mask.apply(s_ref, a, i1, j)).masked_fill(~keep, -math.inf)
         p_ref, _, alpha = self.run.step(a - self.i0, s_ref)
         self.run.add("l", a - self.i0, alpha, p_ref.sum(-1))
-        self.run.add("acc", a - self.i0, alpha, p_ref @ v64j)
+        self.run.add("acc", a - self.i0, alpha, _rows_times(p_ref, v64j))
 
     def finish(self, run: _Running, o: torch.Tensor, lse: torch.Tensor) -> None:
         """Per-query-tile statistics of the chunk, and P's lost probability mass per tile."""
@@ -906,41 +919,42 @@ def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, 
             p_dv = _quantize_p(p, s, lse_a, recipe, gen, tracing)
         else:
             p_dv = _quantize_field(p, recipe, "dv_p", gen, tracing)
-        dv_part = p_dv.values.transpose(-1, -2) @ ops.do_dv[:, :, :, a:i1]  # (B, Hkv, G, n, bn, Dv)
-        dv[:, :, j] += dv_part.sum(dim=(2, 3))
-        dp = ops.do_dp[:, :, :, a:i1] @ ops.v_dp[:, :, j, None, None].transpose(-1, -2)
+        dv[:, :, j] += _rows_t_times(p_dv.values, ops.do_dv[:, :, :, a:i1])  # dV_j += P^T dO
+        dp = _rows_times(ops.do_dp[:, :, :, a:i1], ops.v_dp[:, :, j].transpose(-1, -2))
         ds = p * (dp - delta[:, :, :, a:i1].unsqueeze(-1))  # dS = P * (dP - D)
         ds_q = _quantize_field(ds, recipe, "dq_ds", gen, tracing)
-        dq_part = ds_q.values @ ops.k_dq[:, :, j, None, None]  # (B, Hkv, G, n, bm, D)
+        dq_part = _rows_times(ds_q.values, ops.k_dq[:, :, j])  # (B, Hkv, G, n, bm, D)
         dq[:, :, :, a - i0 :] += cfg.scale * dq_part
         ds_k = _quantize_field(ds, recipe, "dk_ds", gen, tracing)
-        dk_part = ds_k.values.transpose(-1, -2) @ ops.q_dk[:, :, :, a:i1]  # (B, Hkv, G, n, bn, D)
-        dk[:, :, j] += cfg.scale * dk_part.sum(dim=(2, 3))
+        dk[:, :, j] += cfg.scale * _rows_t_times(ds_k.values, ops.q_dk[:, :, :, a:i1])  # dK_j += dS^T Q
         if tracing:
-            tiles = {"p": p, "p_dv": p_dv, "dv": dv_part, "dp": dp, "ds": ds, "ds_q": ds_q, "dq": dq_part, "ds_k": ds_k, "dk": dk_part}
+            tiles = {"p": p, "p_dv": p_dv, "dp": dp, "ds": ds, "ds_q": ds_q, "dq": dq_part, "ds_k": ds_k}
             _backward_stats(ops, tiles, s, full, lse_a, a, i1, j, rec)
     return dq
 
 
 def _backward_stats(ops: _BackwardOperands, x: dict, s, full: bool, lse_a, a: int, i1: int, j: int, rec: TraceCall) -> None:
-    """Statistics of dv, dp, dq, dk on query tiles [a, i1) x key tile j."""
-    q64, k64, v64, do64 = (y for y in ops.stats["ref"])
-    q64, do64, k64j, v64j = q64[:, :, :, a:i1], do64[:, :, :, a:i1], k64[:, :, j, None, None], v64[:, :, j, None, None]
+    """Statistics of dv, dp, dq, dk on query tiles [a, i1) x key tile j. dV and dK tiles are
+    each query tile's contribution P^T dO, dS^T Q (the backward itself sums them at once)."""
+    q64, k64, v64, do64 = ops.stats["ref"]
+    q64, do64, k64j, v64j = q64[:, :, :, a:i1], do64[:, :, :, a:i1], k64[:, :, j], v64[:, :, j]
     st, like = ops.stats, s[..., 0, 0]
     p64, ds64 = x["p"].to(q64.dtype), x["ds"].to(q64.dtype)
-    keep = None if full else s > -math.inf
-    rows = torch.isfinite(lse_a)
-    lost = (x["p"] - x["p"] * x["p_dv"].values.sign()).sum(-1)
+    do_dv, q_dk = ops.do_dv[:, :, :, a:i1], ops.q_dk[:, :, :, a:i1]
+    rows = torch.isfinite(lse_a)  # rows that see a key
+    lost = (x["p"] - x["p"] * x["p_dv"].values.sign()).sum(-1)  # flushed P per row (P^ >= 0)
     mass = torch.where(rows, lost, 0.0).double().sum(-1) / rows.sum(-1).double()
+    keep = None if full else s > -math.inf
     records = {
         Product.DV: (operand_stats(x["p"], x["p_dv"].values, x["p_dv"].counts), _q_slice(st["do_dv"], a, i1),
-                     product_stats(x["dv"], p64.transpose(-1, -2) @ do64), {"p_mass_lost": mass}),
+                     product_stats(x["p_dv"].values.transpose(-1, -2) @ do_dv, p64.transpose(-1, -2) @ do64),
+                     {"p_mass_lost": mass}),
         Product.DP: (_q_slice(st["do_dp"], a, i1), _k_slice(st["v_dp"], j, like),
-                     _masked_product_stats(x["dp"], do64 @ v64j.transpose(-1, -2), keep), {}),
+                     _masked_product_stats(x["dp"], _rows_times(do64, v64j.transpose(-1, -2)), keep), {}),
         Product.DQ: (operand_stats(x["ds"], x["ds_q"].values, x["ds_q"].counts), _k_slice(st["k_dq"], j, like),
-                     product_stats(x["dq"], ds64 @ k64j), {}),
+                     product_stats(x["dq"], _rows_times(ds64, k64j)), {}),
         Product.DK: (operand_stats(x["ds"], x["ds_k"].values, x["ds_k"].counts), _q_slice(st["q_dk"], a, i1),
-                     product_stats(x["dk"], ds64.transpose(-1, -2) @ q64), {}),
+                     product_stats(x["ds_k"].values.transpose(-1, -2) @ q_dk, ds64.transpose(-1, -2) @ q64), {}),
     }
     for product, (sa, sb, prod, extra) in records.items():
         rec.add(product, a, j, {**prefix(sa, "a"), **prefix(sb, "b"), **prod, **extra})

@@ -119,23 +119,31 @@ class TraceCall:
     recipe: str
     dims: tuple[int, ...]  # (B, Hkv, G, nQ, nK)
     meta: dict
-    products: dict[Product, dict[str, torch.Tensor]] = field(default_factory=dict)
+    products: dict[Product, dict] = field(default_factory=dict)  # columns, stacked table
     done: dict[Product, torch.Tensor] = field(default_factory=dict)
     out: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def add(self, product: Product, i0: int, j: int, stats: dict[str, torch.Tensor]) -> None:
-        """Store one key tile's statistics for query tiles i0 .. i0 + n, each (B, Hkv, G, n)."""
+        """Store one key tile's statistics for query tiles i0 .. i0 + n, each (B, Hkv, G, n).
+
+        Columns are kept stacked, (columns, B, Hkv, G, nQ, nK), so that one key tile costs
+        one copy whatever the number of columns."""
         if product not in self.products:
-            b, h, g, nq, nk = self.dims
-            self.products[product] = {}
-            self.done[product] = torch.zeros(nq, nk, dtype=torch.bool)
-        table = self.products[product]
-        for name, value in stats.items():
-            if name not in table:
-                table[name] = torch.full(self.dims, float("nan"), dtype=torch.float64)
-            n = value.shape[-1]
-            table[name][..., i0 : i0 + n, j] = value.detach().to("cpu", torch.float64)
-        n = next(iter(stats.values())).shape[-1]
+            self.products[product] = {"columns": [], "table": torch.empty((0, *self.dims), dtype=torch.float64)}
+            self.done[product] = torch.zeros(self.dims[3:], dtype=torch.bool)
+        entry = self.products[product]
+        new = [name for name in stats if name not in entry["columns"]]
+        if new:
+            fill = torch.full((len(new), *self.dims), float("nan"), dtype=torch.float64)
+            entry["table"] = torch.cat([entry["table"], fill])
+            entry["columns"] += new
+        first = entry["columns"].index(next(iter(stats)))
+        names = entry["columns"][first : first + len(stats)]
+        if set(names) != set(stats):
+            raise ValueError(f"columns {list(stats)} are not stored together for {product.value}")
+        values = torch.stack([stats[name] for name in names]).detach().to("cpu", torch.float64)
+        n = values.shape[-1]
+        entry["table"][first : first + len(names), ..., i0 : i0 + n, j] = values
         self.done[product][i0 : i0 + n, j] = True
 
     def add_out(self, i0: int, stats: dict[str, torch.Tensor]) -> None:
@@ -165,7 +173,8 @@ class TraceCall:
     def _product_frame(self, product: Product) -> pd.DataFrame:
         keep = self.done[product].expand(self.dims)  # (B, Hkv, G, nQ, nK)
         columns = {k: v[keep].numpy() for k, v in self._index(True).items()}
-        columns.update({k: v[keep].numpy() for k, v in self.products[product].items()})
+        entry = self.products[product]
+        columns.update({k: entry["table"][c][keep].numpy() for c, k in enumerate(entry["columns"])})
         frame = pd.DataFrame(columns)
         a_name, b_name = product.operand_names
         return frame.assign(call=self.index, recipe=self.recipe, product=product.value, a_name=a_name, b_name=b_name)
