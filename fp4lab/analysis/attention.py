@@ -180,9 +180,12 @@ def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **opti
     """Route `torch.nn.functional.scaled_dot_product_attention` through `attention`.
 
     Inside the ``with`` block every SDPA call (its query, key, value, attn_mask, is_causal,
-    scale and enable_gqa) runs `attention` with `recipe`, recording into `trace`; `options`
-    (generator, block_m, block_n) are passed on. 3-D inputs (N, L, E) are treated as one
-    head. dropout_p > 0 raises ValueError: the simulation has no dropout.
+    scale and enable_gqa) runs `attention` with `recipe`, recording into `trace` (one call
+    index per SDPA call, so per layer); `options` (generator, block_m, block_n) are passed
+    on. 3-D inputs (N, L, E) are treated as one head. dropout_p > 0 raises ValueError: the
+    simulation has no dropout. Calls that look the function up on `torch.nn.functional`
+    when they run are routed (nn.MultiheadAttention, most model code); a module that bound
+    the function to its own name before the block keeps calling the original.
     """
     recipe = resolve_recipe(recipe)
     original = F.scaled_dot_product_attention

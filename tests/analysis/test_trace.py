@@ -185,3 +185,31 @@ def test_generator_seed_and_call_metadata_are_recorded():
     assert meta["seed"] == 1234 and meta["causal"] and meta["block_m"] == 32
     assert meta["reference_dtype"] is torch.float32
     assert isinstance(trace.to_frame(), pd.DataFrame)
+
+
+@pytest.mark.parametrize("recipe", ["exact", "nvfp4", "fa4fp4_causal_mxfp4pv", "attn_qat"])
+def test_the_trace_only_reads(recipe):
+    q, k, v = (x.requires_grad_() for x in qkv(1, 2, 1, 40, 56, 32, dtype=torch.float32, seed=11))
+    do = rand(1, 2, 40, 32, dtype=torch.float32, seed=12)
+    runs = []
+    for trace in (None, Trace()):
+        out = attention(q, k, v, recipe, causal=True, trace=trace, block_m=32, block_n=32)
+        runs.append((out, torch.autograd.grad(out, (q, k, v), do)))
+    (a, ga), (b, gb) = runs
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
+
+
+def test_float32_reference_agrees_with_float64_where_errors_are_large():
+    q, k, v = qkv(1, 2, 2, 40, 40, 32, seed=13)
+    do = rand(1, 2, 40, 32, seed=14)
+    frames = {}
+    for dtype in (torch.float64, torch.float32):
+        trace = Trace(reference_dtype=dtype)
+        q_, k_, v_ = (x.detach().float().requires_grad_() for x in (q, k, v))
+        attention(q_, k_, v_, "nvfp4", trace=trace, block_m=16, block_n=16).backward(do.float())
+        frames[dtype] = trace.to_frame()
+    a, b = frames[torch.float64], frames[torch.float32]
+    assert list(a["product"]) == list(b["product"])
+    tiles = a["product"] != "out"
+    assert (a["prod_err"][tiles] - b["prod_err"][tiles]).abs().max() < 1e-5
+    assert (a["prod_err"][tiles] > 1e-3).all()
