@@ -4,7 +4,7 @@
     twelve operands of the six products) with the trace on, forward plus backward, against
     plain float32 torch attention forward plus backward of the same shape in the same
     process: S = Q K^T / sqrt(d), P = softmax(S) materialised, O = P V, autograd backward.
-    Median of repeats after a warm-up. Goal (issue 3): within 4x of plain torch.
+    Median of interleaved rounds after a warm-up. Goal (issue 3): within 4x of plain torch.
 (b) Memory. Seq 16384, 1 head, head_dim 64, float32, forward plus backward of the reference
     path. Measured as peak resident-set growth: each case runs in a fresh child process,
     which builds its inputs, warms up on a small call, reads its current RSS
@@ -13,7 +13,7 @@
     tensors and DataFrame), not only Python objects (tracemalloc would miss torch's).
     Goal (issue 3): under 256 MiB, a quarter of one dense 16384^2 float32 matrix (1 GiB).
 
-    python benchmarks/bench_attention_cpu.py [--repeats 3] [--skip-memory] [--skip-time]
+    python benchmarks/bench_attention_cpu.py [--repeats 7] [--skip-memory] [--skip-time]
 """
 
 from __future__ import annotations
@@ -56,29 +56,36 @@ def fp4lab_step(q, k, v, do, recipe: str, traced: bool) -> None:
         trace.to_frame()
 
 
-def median_seconds(step, repeats: int) -> float:
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def interleaved_seconds(steps: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each step over `repeats` rounds, the steps taking turns within a round (so
+    that load from other processes falls on all of them alike), after one warm-up each."""
+    for step in steps.values():
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def time_case(repeats: int) -> None:
     q, k, v, do = inputs(heads=4, seq=2048)
-    print("(a) time: batch 1, 4 heads, seq 2048, head_dim 64, float32, forward + backward, "
-          f"median of {repeats}")
-    plain = median_seconds(lambda: plain_step(q, k, v, do), repeats)
-    rows = [("plain torch float32 (materialised softmax)", plain)]
+    print("(a) time: batch 1, 4 heads, seq 2048, head_dim 64, float32, forward + backward; "
+          f"{repeats} interleaved rounds")
+    steps = {"plain torch float32 (materialised softmax)": lambda: plain_step(q, k, v, do)}
     for recipe, traced in (("nvfp4", True), ("nvfp4", False), ("exact", False)):
-        seconds = median_seconds(lambda r=recipe, t=traced: fp4lab_step(q, k, v, do, r, t), repeats)
-        rows.append((f"fp4lab {recipe}, trace {'on' if traced else 'off'}", seconds))
-    print(f"{'case':45s} {'seconds':>8s} {'x plain':>8s}")
-    for name, seconds in rows:
-        print(f"{name:45s} {seconds:8.3f} {seconds / plain:7.1f}x")
-    print(f"goal: nvfp4 with the trace within 4x of plain torch -> {'met' if rows[1][1] <= 4 * plain else 'NOT met'}")
+        name = f"fp4lab {recipe}, trace {'on' if traced else 'off'}"
+        steps[name] = lambda r=recipe, t=traced: fp4lab_step(q, k, v, do, r, t)
+    times = interleaved_seconds(steps, repeats)
+    plain = statistics.median(next(iter(times.values())))
+    print(f"{'case':45s} {'median s':>9s} {'min s':>7s} {'x plain':>8s}")
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        print(f"{name:45s} {median:9.3f} {min(seconds):7.3f} {median / plain:7.1f}x")
+    traced = statistics.median(times["fp4lab nvfp4, trace on"])
+    print(f"goal: nvfp4 with the trace within 4x of plain torch -> {'met' if traced <= 4 * plain else 'NOT met'}")
 
 
 def rss_bytes() -> int:
@@ -117,7 +124,7 @@ def memory_case(seq: int = 16384) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()
