@@ -128,11 +128,13 @@ def main() -> None:
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp4lab {fp4lab.__version__}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp4lab {fp4lab.__version__}, "
+          f"load average {os.getloadavg()[0]:.2f} at the start")
     if not args.skip_time:
         time_case(args.repeats)
     if not args.skip_memory:
         memory_case()
+    print(f"load average {os.getloadavg()[0]:.2f} at the end (other processes on the machine skew times)")
 
 
 if __name__ == "__main__":
