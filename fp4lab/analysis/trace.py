@@ -10,7 +10,9 @@ tensors while attention runs and a pandas DataFrame at the end (`Trace.to_frame`
 prints; a heatmap over (q_tile, k_tile) of any column is one pivot away.
 
 Definitions (x an operand tile before quantization, x^ after, both as the product consumes
-them; "nonzero" counts the elements with x != 0; NaN where a ratio has nothing to count):
+them: P is exp(S - m) with the online softmax's running maximum m in ``pv`` and the rebuilt
+exp(S - lse) in ``dv``; "nonzero" counts the elements with x != 0; NaN where a ratio has
+nothing to count, and in tiles that hold NaN):
 
 - ``a_err`` / ``b_err``: ||x^ - x||_F / ||x||_F (0 when both are zero).
 - ``a_flushed`` / ``b_flushed``: fraction of nonzero elements with x^ = 0.
