@@ -156,7 +156,9 @@ def error_metrics(x: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
-    """num / den, with 0 / 0 = 0 (both exact) and x / 0 = inf."""
+    """num / den, with 0 / 0 = 0 (both exact), x / 0 = inf and NaN if either is NaN."""
+    if torch.isnan(num) or torch.isnan(den):
+        return float("nan")
     if den > 0:
         return (num / den).item()
     return 0.0 if num == 0 else float("inf")

@@ -99,6 +99,8 @@ def test_error_metrics_by_hand():
     assert error_metrics(torch.ones(2), torch.zeros(2))["rel_l2"] == math.inf
     nan = error_metrics(torch.tensor([float("nan"), 1.0]), torch.ones(2))
     assert nan["nan"] == 1 and math.isnan(nan["rel_l2"])
+    both = error_metrics(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))
+    assert math.isnan(both["rel_l2"]) and both["nan"] == 1
 
 
 def test_saturation_lists_every_operand_and_the_lost_mass(x):
