@@ -53,12 +53,11 @@ from fp4lab.analysis.trace import Trace, TraceCall, operand_stats, prefix, produ
 from fp4lab.formats import (
     FloatFormat,
     QuantSpec,
-    ScaleArithmetic,
     as_generator,
     hadamard_matrix,
+    quantize_blocks,
     round_to_format,
 )
-from fp4lab.formats.quantize import _FLT_MAX, _hadamard, _layout, _round_scale
 
 __all__ = ["attention", "patch_sdpa", "quantize_operand"]
 
@@ -399,77 +398,20 @@ def _quantize_field(x, recipe: AttentionRecipe, field: str, generator, flags: bo
 
 
 def _block_quantize(x, spec: QuantSpec, axis: int, generator, per_tile: bool, want_flags: bool):
-    """Steps 1-5 of fp4lab.formats.quantize and its dequantization (float32 products), with
-    the second-level scale's amax over the whole tensor or, with per_tile, over each tile."""
+    """fp4lab.formats' quantize pipeline and its dequantization (`quantize_blocks`), with the
+    second-level scale taken over the whole of x or, with per_tile, over each tile (the last
+    two dims: batch_dims = x.ndim - 2)."""
     if _is_2d(spec):
         axis = -1  # 2-D tiles lie on the natural layout
     elif spec.block is None and per_tile:
         if spec.hadamard is not None:
             raise ValueError(f"spec {spec.name!r}: a per-tile scale does not combine with a Hadamard transform")
-        spec, axis = dataclasses.replace(spec, block=tuple(x.shape[-2:])), -1  # one block per tile
-    axis %= x.ndim
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xw = x.to(work)
-    if spec.hadamard is not None:
-        xw = _hadamard(xw, spec, axis, inverse=False)
-    layout = _layout(spec, x.shape, axis)
-    blocks = layout.to_blocks(xw)  # (..., n1, n2, block elements); a tile is (n1, n2)
-    amax = (blocks.abs().amax(dim=-1) if blocks.shape[-1] else blocks.sum(-1)).float()
-    if per_tile:
-        tensor_amax = amax.amax(dim=(-2, -1), keepdim=True)
-    else:
-        tensor_amax = amax.amax() if amax.numel() else torch.zeros((), dtype=torch.float32)
-    scales, decode, scaled = _scale(blocks, amax, tensor_amax, spec)
-    values = round_to_format(
-        scaled, spec.element, rounding=spec.rounding, saturate=True, generator=generator,
-        sr_bits=spec.sr_bits,
-    )
-    out = values.float() * scales.unsqueeze(-1)
-    if decode is not None:
-        out = out * decode.unsqueeze(-1)
-    out = layout.from_blocks(out)
-    if spec.hadamard is not None:
-        out = _hadamard(out.to(work), spec, layout.axis, inverse=True)
-    found = _flags(scaled, amax, decode, spec, layout, per_tile) if want_flags else None
-    return out.to(x.dtype), found
-
-
-def _scale(blocks, amax, tensor_amax, spec: QuantSpec):
-    """fp4lab.formats.quantize._scale, with the tensor amax passed in (whole or per tile)."""
-    arith, m_e = spec.arithmetic, spec.element.max
-    decode, encode = _tensor_scales(tensor_amax, spec)
-    if arith is ScaleArithmetic.TE_ENCODE:
-        scaled_amax = amax * encode
-        t = torch.clamp(amax * (encode * (1.0 / torch.tensor(m_e))), max=_FLT_MAX)
-    else:
-        scaled_amax = amax / decode if decode is not None else amax
-        torchao = arith is ScaleArithmetic.TORCHAO_DECODE and decode is not None
-        t = (amax / m_e) / decode if torchao else scaled_amax / m_e
-    s = _round_scale(scaled_amax, t, spec)
-    d = decode if decode is not None else torch.ones((), dtype=torch.float32)
-    if arith is ScaleArithmetic.EXACT:
-        denom = s * d
-        denom = torch.where(denom == 0, torch.inf, denom)  # a zero scale flushes its block
-        return s, decode, blocks / denom.unsqueeze(-1).to(blocks.dtype)
-    if arith is ScaleArithmetic.TE_ENCODE:
-        factor = torch.clamp(1.0 / (s * d), max=_FLT_MAX)
-    else:
-        factor = (1.0 / d) / s if decode is not None else 1.0 / s
-    return s, decode, blocks * factor.unsqueeze(-1).to(blocks.dtype)
-
-
-def _tensor_scales(tensor_amax, spec: QuantSpec):
-    """fp4lab.formats.quantize._tensor_scales for a given tensor amax: (decode, encode)."""
-    one = torch.ones((), dtype=torch.float32)
-    if not spec.tensor_scale:
-        return None, one
-    big = torch.tensor(spec.scale.max * spec.element.max, dtype=torch.float32)
-    if spec.arithmetic is ScaleArithmetic.TE_ENCODE:
-        encode = torch.clamp(big / tensor_amax, max=_FLT_MAX)
-        encode = torch.where(encode == 0, one, encode)
-        return 1.0 / encode, encode
-    decode = tensor_amax / big
-    return decode, one / decode
+        # one scale per tile: a 2-D block covering the tile (then the flags' sums below hold)
+        spec, axis = dataclasses.replace(spec, block=tuple(x.shape[-2:])), -1
+    batch_dims = x.ndim - 2 if per_tile and spec.tensor_scale else 0
+    b = quantize_blocks(x, spec, axis=axis, generator=generator, batch_dims=batch_dims)
+    found = _flags(b.scaled, b.amax, b.decode, spec, b.layout, per_tile) if want_flags else None
+    return b.dequantize(x.dtype), found
 
 
 def _flags(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dict:

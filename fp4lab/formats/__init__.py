@@ -32,10 +32,12 @@ from fp4lab.formats.named import (
     UE8M0,
 )
 from fp4lab.formats.quantize import (
+    BlockQuantized,
     QuantizedTensor,
     fake_quantize,
     hadamard_matrix,
     quantize,
+    quantize_blocks,
     resolve_spec,
 )
 from fp4lab.formats.registry import get, names, register, unregister
@@ -44,7 +46,7 @@ from fp4lab.formats.spec import PRESETS, QuantSpec, ScaleArithmetic, ScaleRule
 
 __all__ = [
     "FloatFormat", "Specials", "Rounding", "round_to_format", "as_generator", "QuantSpec",
-    "ScaleRule", "ScaleArithmetic", "QuantizedTensor", "quantize", "fake_quantize",
+    "ScaleRule", "ScaleArithmetic", "QuantizedTensor", "BlockQuantized", "quantize", "quantize_blocks", "fake_quantize",
     "resolve_spec", "hadamard_matrix", "get", "names", "register", "unregister", "FORMATS",
     "PRESETS", "FP4_E2M1", "FP6_E3M2", "FP6_E2M3", "FP8_E4M3FN", "FP8_E5M2", "FP8_E4M3FNUZ",
     "FP8_E5M2FNUZ", "INT8", "INT4", "UE8M0", "UE4M3", "UE5M3", "UE5M3_IEEE", "BF16", "FP16",

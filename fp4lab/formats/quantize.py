@@ -30,7 +30,10 @@ from fp4lab.formats.registry import get
 from fp4lab.formats.rounding import Rounding, _check_tensor, round_to_format
 from fp4lab.formats.spec import QuantSpec, ScaleArithmetic, ScaleRule
 
-__all__ = ["QuantizedTensor", "quantize", "fake_quantize", "resolve_spec", "hadamard_matrix"]
+__all__ = [
+    "QuantizedTensor", "BlockQuantized", "quantize", "quantize_blocks", "fake_quantize",
+    "resolve_spec", "hadamard_matrix",
+]
 
 _FLT_MAX = torch.finfo(torch.float32).max
 
@@ -137,7 +140,7 @@ def quantize(
             fused kernel sees them). Blocks never span them; axis must not be one of them.
     """
     spec = resolve_spec(spec)
-    blocked = _quantize_blocks(x, spec, axis, rounding, generator, batch_dims)
+    blocked = quantize_blocks(x, spec, axis=axis, rounding=rounding, generator=generator, batch_dims=batch_dims)
     layout = blocked.layout
     codes = layout.from_blocks(spec.element.encode(blocked.values))
     tensor_scale = None if blocked.decode is None else layout.tensor_scale_out(blocked.decode)
@@ -146,18 +149,51 @@ def quantize(
 
 
 @dataclass
-class _Blocked:
-    """The pipeline's result in block layout: element values (..., blocks, block elements),
-    block scales (..., blocks) and the decode scale broadcastable to them (or None)."""
+class BlockQuantized:
+    """The pipeline's intermediates in block layout, for instrumentation (`quantize_blocks`).
+
+    Attributes:
+        layout: maps x's layout to and from (..., blocks, block elements).
+        amax: float32 block amax (..., blocks), after the Hadamard transform if any.
+        scaled: the elements after scaling, before rounding (..., blocks, block elements).
+        values: the rounded element values, same shape.
+        scales: float32 block scales (..., blocks).
+        decode: the float32 second-level decode scale, broadcastable to `scales`, or None.
+    """
 
     layout: object
+    amax: torch.Tensor
+    scaled: torch.Tensor
     values: torch.Tensor
     scales: torch.Tensor
     decode: torch.Tensor | None
 
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """(value * block scale) * decode in float32, back in x's layout, inverse Hadamard,
+        in `dtype`: the bits of ``quantize(...).dequantize(dtype)``. Consumes `values`."""
+        out = self.values.float().mul_(self.scales.unsqueeze(-1))  # ours: in place
+        if self.decode is not None:
+            out.mul_(self.decode.unsqueeze(-1))
+        out = self.layout.from_blocks(out)
+        spec = self.layout.spec
+        if spec.hadamard is not None:
+            work = torch.float64 if dtype == torch.float64 else torch.float32
+            out = _hadamard(out.to(work), spec, self.layout.axis, inverse=True)
+        return out.to(dtype)
 
-def _quantize_blocks(x, spec: QuantSpec, axis, rounding, generator, batch_dims: int) -> _Blocked:
-    """Steps 1-5 of the pipeline."""
+
+def quantize_blocks(
+    x: torch.Tensor,
+    spec: QuantSpec | str,
+    *,
+    axis: int = -1,
+    rounding: Rounding | str | None = None,
+    generator: torch.Generator | int | None = None,
+    batch_dims: int = 0,
+) -> BlockQuantized:
+    """Steps 1-5 of the pipeline, keeping what instrumentation needs (block amax, scaled
+    elements, scales). Arguments as `quantize`; ``.dequantize(dtype)`` is fake_quantize."""
+    spec = resolve_spec(spec)
     _check_tensor(x, "x")
     axis = _normalize_axis(axis, x.ndim, spec, batch_dims)
     rounding = spec.rounding if rounding is None else Rounding.parse(rounding)
@@ -174,7 +210,7 @@ def _quantize_blocks(x, spec: QuantSpec, axis, rounding, generator, batch_dims: 
         scaled, spec.element, rounding=rounding, saturate=True, generator=generator,
         sr_bits=spec.sr_bits,
     )
-    return _Blocked(layout, values, scales, decode)
+    return BlockQuantized(layout, amax, scaled, values, scales, decode)
 
 
 def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
@@ -187,16 +223,8 @@ def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
 
 def _fake_quantize(x, spec: QuantSpec, axis, rounding, generator, batch_dims) -> torch.Tensor:
     """quantize(...).dequantize(x.dtype) without building codes: the same float32 products."""
-    blocked = _quantize_blocks(x, spec, axis, rounding, generator, batch_dims)
-    layout = blocked.layout
-    out = blocked.values.float().mul_(blocked.scales.unsqueeze(-1))  # ours: in place
-    if blocked.decode is not None:
-        out.mul_(blocked.decode.unsqueeze(-1))
-    out = layout.from_blocks(out)
-    if spec.hadamard is not None:
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        out = _hadamard(out.to(work), spec, layout.axis, inverse=True)
-    return out.to(x.dtype)
+    blocked = quantize_blocks(x, spec, axis=axis, rounding=rounding, generator=generator, batch_dims=batch_dims)
+    return blocked.dequantize(x.dtype)
 
 
 class _FakeQuantize(torch.autograd.Function):
@@ -341,10 +369,10 @@ def _normalize_axis(axis: int, ndim: int, spec: QuantSpec, batch_dims: int = 0) 
 
 def _layout(spec: QuantSpec, shape: torch.Size, axis: int, batch_dims: int = 0):
     if spec.block is None:
-        return _PerTensor(shape, axis, batch_dims)
+        return _PerTensor(spec, shape, axis, batch_dims)
     if len(spec.block) == 1:
-        return _Blocks1D(shape, axis, spec.block[0], batch_dims)
-    return _Tiles2D(shape, axis, spec.block, batch_dims)
+        return _Blocks1D(spec, shape, axis, batch_dims)
+    return _Tiles2D(spec, shape, axis, batch_dims)
 
 
 class _Layout:
@@ -352,8 +380,8 @@ class _Layout:
     (x's layout <-> (..., blocks, block elements)), scales_out / expand (block scales in
     the user's layout, and broadcast to every element)."""
 
-    def __init__(self, shape, axis, batch_dims):
-        self.shape, self.axis, self.batch_dims = shape, axis, batch_dims
+    def __init__(self, spec, shape, axis, batch_dims):
+        self.spec, self.shape, self.axis, self.batch_dims = spec, shape, axis, batch_dims
 
     def tensor_scale_out(self, decode: torch.Tensor) -> torch.Tensor:
         """The decode scale as a 0-dim tensor, or batch shape + size-1 dims (x's rank)."""
@@ -381,11 +409,11 @@ class _PerTensor(_Layout):
 
 
 class _Blocks1D(_Layout):
-    def __init__(self, shape, axis, size, batch_dims):
-        super().__init__(shape, axis, batch_dims)
-        self.size = size
+    def __init__(self, spec, shape, axis, batch_dims):
+        super().__init__(spec, shape, axis, batch_dims)
+        self.size = spec.block[0]
         self.n = shape[axis] if len(shape) else 1
-        self.nblocks = -(-self.n // size)
+        self.nblocks = -(-self.n // self.size)
 
     def to_blocks(self, x):
         x = x.movedim(self.axis, -1)  # (..., n)
@@ -408,10 +436,10 @@ class _Blocks1D(_Layout):
 class _Tiles2D(_Layout):
     """Tiles (r, c) over the last two dims; with axis = ndim - 2 the tile is transposed."""
 
-    def __init__(self, shape, axis, block, batch_dims):
-        super().__init__(shape, axis, batch_dims)
+    def __init__(self, spec, shape, axis, batch_dims):
+        super().__init__(spec, shape, axis, batch_dims)
         self.transposed = axis == len(shape) - 2
-        self.r, self.c = block
+        self.r, self.c = spec.block
         rows, cols = shape[-2:] if not self.transposed else (shape[-1], shape[-2])
         self.rows, self.cols = rows, cols
         self.nr, self.nc = -(-rows // self.r), -(-cols // self.c)
