@@ -323,8 +323,11 @@ def _round_scale(scaled_amax: torch.Tensor, t: torch.Tensor, spec: QuantSpec) ->
         nonfinite = ~torch.isfinite(t) if spec.arithmetic is ScaleArithmetic.EXACT else None
     if spec.scale_floor is not None:
         raw = torch.clamp(raw, min=spec.scale_floor)
-    mode = Rounding.AWAY_FROM_ZERO if rule is ScaleRule.RCEIL else Rounding.NEAREST_EVEN
-    s = round_to_format(raw, fmt, rounding=mode, saturate=True).float()
+    if rule.power_of_two and spec.scale_floor is None:
+        s = raw.float()  # already a power of two the scale format holds
+    else:
+        mode = Rounding.AWAY_FROM_ZERO if rule is ScaleRule.RCEIL else Rounding.NEAREST_EVEN
+        s = round_to_format(raw, fmt, rounding=mode, saturate=True).float()
     if nonfinite is not None:
         s = torch.where(nonfinite, torch.nan, s)
     return s

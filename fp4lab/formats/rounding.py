@@ -128,7 +128,6 @@ def _fast_path_applies(x, fmt: FloatFormat, rounding: Rounding, saturate: bool) 
     return (
         x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and saturate
-        and fmt.signed
         and fmt.has_zero
         and rounding in (Rounding.NEAREST_EVEN, Rounding.TOWARD_ZERO)
         and fmt.emin - fmt.mbits >= -126
@@ -149,8 +148,10 @@ def _round_float32(x: torch.Tensor, fmt: FloatFormat, rounding: Rounding) -> tor
     out = torch.div(x, quantum)  # in-place from here: fresh large tensors cost page faults
     out.round_() if rounding is Rounding.NEAREST_EVEN else out.trunc_()
     out.mul_(quantum).clamp_(-fmt.max, fmt.max)
-    if fmt.specials is Specials.FNUZ:
-        out.add_(0.0)  # -0 + 0 = +0: FNUZ has no negative zero
+    if not fmt.signed:  # negative values have no code; -0 becomes +0 below
+        out = torch.where(x < 0, torch.nan if fmt.has_nan else 0.0, out)
+    if fmt.specials is Specials.FNUZ or not fmt.signed:
+        out.add_(0.0)  # -0 + 0 = +0: no negative zero
     return out
 
 
