@@ -8,7 +8,7 @@
 (b) Memory. Seq 16384, 1 head, head_dim 64, float32, forward plus backward of the reference
     path. Measured as peak resident-set growth: each case runs in a fresh child process,
     which builds its inputs, warms up on a small call, reads its current RSS
-    (/proc/self/statm), runs, and reads its peak RSS (getrusage ru_maxrss); the growth is the
+    (/proc/self/statm), runs, and reads its peak RSS (VmHWM in /proc/self/status); the growth is the
     difference. It counts every byte the call touched (torch's CPU allocator, the trace's
     tensors and DataFrame), not only Python objects (tracemalloc would miss torch's).
     Goal (issue 3): under 256 MiB, a quarter of one dense 16384^2 float32 matrix (1 GiB).
@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -103,8 +102,15 @@ def memory_child(recipe: str, traced: bool, seq: int) -> dict:
     start = time.perf_counter()
     fp4lab_step(q, k, v, do, recipe, traced)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"growth": peak - before, "seconds": seconds}
+    return {"growth": peak_rss_bytes() - before, "seconds": seconds}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS, VmHWM. (getrusage's ru_maxrss is no good here: Linux carries
+    it across fork and exec, so a child would report its parent's peak.)"""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024  # kB
 
 
 def memory_case(seq: int = 16384) -> None:
