@@ -144,9 +144,12 @@ def attention(
     processing) are applied to q, k before, as differentiable torch operations.
 
     Fully masked rows (a boolean mask that excludes every key of a row, or Sk = 0) give an
-    output row of zeros and zero gradients, as SDPA's CPU and flash kernels do. NaN in q, k
-    or v reaches the rows that attend to it, and through quantization blocks the rows that
-    share a block (or a per-tile tensor scale) with it; the trace counts it.
+    output row of zeros and zero gradients, as SDPA's CPU and flash kernels do. NaN in q or
+    k reaches the rows that attend to it; NaN in v reaches every row of each query tile that
+    sees its key (a masked-out zero of P times NaN is NaN in the tile's product, so with a
+    causal mask a few earlier rows of that tile turn NaN too; SDPA's math backend spreads it
+    further). Through quantization it also reaches the rows that share a block (or a tensor
+    scale) with it; the trace counts it.
 
     Cost: vectorised over batch, heads and query tiles (in chunks that bound memory), a
     Python loop over key tiles; memory grows with seq x block_n, never seq^2. A trace
@@ -170,6 +173,7 @@ def attention(
     config = _Config(
         recipe=recipe, causal=bool(causal), scale=float(scale), block_m=block_m,
         block_n=block_n, generator=gen, trace=trace, attn_mask=attn_mask,
+        seed=generator if isinstance(generator, int) and not isinstance(generator, bool) else None,
     )
     return _Attention.apply(q, k, v, config)
 
@@ -181,13 +185,16 @@ def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **opti
     Inside the ``with`` block every SDPA call (its query, key, value, attn_mask, is_causal,
     scale and enable_gqa) runs `attention` with `recipe`, recording into `trace` (one call
     index per SDPA call, so per layer); `options` (generator, block_m, block_n) are passed
-    on. 3-D inputs (N, L, E) are treated as one head. dropout_p > 0 raises ValueError: the
+    on; an int seed becomes one torch.Generator for the whole block, so successive calls
+    (layers, steps) draw fresh stochastic-rounding noise from one reproducible stream. 3-D inputs (N, L, E) are treated as one head. dropout_p > 0 raises ValueError: the
     simulation has no dropout. Calls that look the function up on `torch.nn.functional`
     when they run are routed (nn.MultiheadAttention, most model code); a module that bound
     the function to its own name before the block keeps calling the original.
     """
     recipe = resolve_recipe(recipe)
     original = F.scaled_dot_product_attention
+    if "generator" in options:  # one stream for all calls: an int seed would repeat its draws
+        options["generator"] = as_generator(options["generator"])
 
     def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if dropout_p:
@@ -335,6 +342,7 @@ class _Config:
     generator: torch.Generator | None
     trace: Trace | None
     attn_mask: torch.Tensor | None
+    seed: int | None = None  # the int seed the caller gave, if any (then the run reproduces)
 
 
 # -- operand quantization ----------------------------------------------------------------------
@@ -828,8 +836,10 @@ def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, tracing: bo
 
 
 def _forward_flags(x, x_hat, recipe: AttentionRecipe, field: str, tracing: bool) -> _Quantized:
-    """The forward's quantized operand, with its trace counts recomputed."""
-    counts = _quantize_field(x, recipe, field, None, True).counts if tracing else None
+    """The forward's quantized operand, with its trace counts recomputed. The counts depend
+    on the block scales and the scaled elements before rounding only, never on stochastic
+    rounding's draws, so a throwaway generator gives the forward's counts."""
+    counts = _quantize_field(x, recipe, field, torch.Generator().manual_seed(0), True).counts if tracing else None
     return _Quantized(x_hat, counts)
 
 
@@ -936,6 +946,7 @@ def _begin_trace(cfg: _Config, t: _Tiling, q, v) -> TraceCall | None:
         "reference_dtype": cfg.trace.reference_dtype, "shape_q": tuple(q.shape), "Sk": t.Sk,
         "kv_heads": t.Hk, "v_dim": v.shape[-1], "dtype": str(q.dtype), "causal": cfg.causal,
         "scale": cfg.scale, "block_m": t.bm, "block_n": t.bn, "masked": cfg.attn_mask is not None,
-        "seed": cfg.generator.initial_seed() if cfg.generator is not None else None,
+        "seed": cfg.seed,  # None unless an int seed was given (a Generator may have advanced)
+        "generator_initial_seed": cfg.generator.initial_seed() if cfg.generator is not None else None,
     }
     return cfg.trace.begin(cfg.recipe.name, (t.B, t.Hk, t.G, t.nQ, t.nK), meta)

@@ -1,0 +1,67 @@
+"""Seeds and random streams: what a researcher needs to reproduce a stochastic run."""
+
+import dataclasses
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+import fp4lab.formats as formats
+from fp4lab.analysis import AttentionRecipe, Trace, attention, patch_sdpa
+from fp4lab.analysis.recipe import BackwardMode, DeltaSource
+
+
+def qkv(seed=0, shape=(1, 2, 64, 32)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(4)]
+
+
+def patched_grads(seed):
+    """Two SDPA calls (two 'layers') under one patch_sdpa block; the gradients of each."""
+    q, k, v, do = qkv()
+    grads = []
+    with patch_sdpa("croissattn", generator=seed, block_m=32, block_n=32):
+        for _ in range(2):
+            qq = q.clone().requires_grad_()
+            F.scaled_dot_product_attention(qq, k, v).backward(do)
+            grads.append(qq.grad)
+    return grads
+
+
+def test_patch_sdpa_draws_fresh_noise_per_call_from_one_seeded_stream():
+    first, second = patched_grads(seed=7)
+    assert not torch.equal(first, second), "two layers must not share their rounding noise"
+    again = patched_grads(seed=7)
+    assert torch.equal(again[0], first) and torch.equal(again[1], second)
+
+
+def test_only_an_int_seed_is_recorded_as_the_seed():
+    q, k, v, _ = qkv()
+    trace = Trace()
+    gen = torch.Generator().manual_seed(5)
+    attention(q, k, v, "croissattn", trace=trace, generator=gen, block_m=32, block_n=32)
+    attention(q, k, v, "croissattn", trace=trace, generator=5, block_m=32, block_n=32)
+    first, second = (call.meta for call in trace.calls)
+    assert first["seed"] is None and first["generator_initial_seed"] == 5
+    assert second["seed"] == 5
+
+
+def test_trace_of_a_straight_through_stochastic_recipe():
+    """Its counts depend on scales only, so they equal the round-to-nearest recipe's."""
+    sr = formats.get("nvfp4_sr")
+    recipe = AttentionRecipe(
+        name="st_sr", q=sr, k=sr, v=sr, backward=BackwardMode.STRAIGHT_THROUGH,
+        delta=DeltaSource.UNQUANTIZED_P_OUTPUT,
+    )
+    nearest = dataclasses.replace(recipe, name="st_rn", q="nvfp4", k="nvfp4", v="nvfp4")
+    frames = []
+    for r in (recipe, nearest):
+        q, k, v, do = qkv(1)
+        q.requires_grad_()
+        trace = Trace()
+        attention(q, k, v, r, trace=trace, generator=3, block_m=32, block_n=32).backward(do)
+        frames.append(trace.to_frame())
+    columns = [c for c in frames[0].columns if c.endswith(("clipped", "scale_underflow", "scale_overflow"))]
+    assert columns
+    backward = [f[f["product"].isin(["dp", "dq", "dk"])][columns].reset_index(drop=True) for f in frames]
+    pd.testing.assert_frame_equal(backward[0], backward[1])
