@@ -42,6 +42,7 @@ from fp4lab.formats import (
     Rounding,
     ScaleRule,
     get,
+    parse_enum,
     register,
 )
 
@@ -268,7 +269,7 @@ class AttentionRecipe:
         for field in _OPERAND_FIELDS:
             object.__setattr__(self, field, _resolve_operand(getattr(self, field), field))
         for field, kind in _ENUM_FIELDS.items():
-            object.__setattr__(self, field, _parse_enum(kind, getattr(self, field), field))
+            object.__setattr__(self, field, parse_enum(kind, getattr(self, field), field))
         for field in ("p_prescale", "ds_prescale"):
             _check_power_of_two(getattr(self, field), field)
         self._check_p_quant()
@@ -308,7 +309,7 @@ class AttentionRecipe:
     # -- queries --------------------------------------------------------------------------
     def operands(self, product: Product | str) -> tuple[OperandSpec, OperandSpec]:
         """The (a, b) operand specs of `product`."""
-        product = _parse_enum(Product, product, "product")
+        product = parse_enum(Product, product, "product")
         return tuple(getattr(self, f) for f in product.fields)
 
     @property
@@ -350,16 +351,6 @@ def _resolve_operand(value, field: str) -> OperandSpec:
     raise TypeError(
         f"{field} must be a QuantSpec, a FloatFormat, a registered name or None, got {type(value).__name__}"
     )
-
-
-def _parse_enum(kind: type[enum.Enum], value, field: str):
-    if isinstance(value, kind):
-        return value
-    try:
-        return kind(value)
-    except ValueError:
-        known = ", ".join(m.value for m in kind)
-        raise ValueError(f"{field} must be one of {known}; got {value!r}") from None
 
 
 def _check_power_of_two(value, field: str) -> None:

@@ -40,14 +40,14 @@ from fp4lab.formats.quantize import (
     quantize_blocks,
     resolve_spec,
 )
-from fp4lab.formats.registry import get, names, register, unregister
+from fp4lab.formats.registry import get, names, parse_enum, register, unregister
 from fp4lab.formats.rounding import Rounding, as_generator, round_to_format
 from fp4lab.formats.spec import PRESETS, QuantSpec, ScaleArithmetic, ScaleRule
 
 __all__ = [
     "FloatFormat", "Specials", "Rounding", "round_to_format", "as_generator", "QuantSpec",
     "ScaleRule", "ScaleArithmetic", "QuantizedTensor", "BlockQuantized", "quantize", "quantize_blocks", "fake_quantize",
-    "resolve_spec", "hadamard_matrix", "get", "names", "register", "unregister", "FORMATS",
+    "resolve_spec", "hadamard_matrix", "get", "names", "parse_enum", "register", "unregister", "FORMATS",
     "PRESETS", "FP4_E2M1", "FP6_E3M2", "FP6_E2M3", "FP8_E4M3FN", "FP8_E5M2", "FP8_E4M3FNUZ",
     "FP8_E5M2FNUZ", "INT8", "INT4", "UE8M0", "UE4M3", "UE5M3", "UE5M3_IEEE", "BF16", "FP16",
     "FP32", "pack_codes", "unpack_codes", "torch_dtype", "ml_dtype", "to_torch", "to_ml_dtypes",

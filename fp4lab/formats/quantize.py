@@ -109,10 +109,7 @@ class QuantizedTensor:
         out = self.element_values() * self.expanded_scales()
         if self.tensor_scale is not None:
             out = out * self.tensor_scale
-        if self.spec.hadamard is not None:
-            work = torch.float64 if dtype == torch.float64 else torch.float32
-            out = _hadamard(out.to(work), self.spec, self.axis, inverse=True)
-        return out.to(dtype)
+        return _finish(out, self.spec, self.axis, dtype)
 
 
 def quantize(
@@ -174,12 +171,16 @@ class BlockQuantized:
         out = self.values.float().mul_(self.scales.unsqueeze(-1))  # ours: in place
         if self.decode is not None:
             out.mul_(self.decode.unsqueeze(-1))
-        out = self.layout.from_blocks(out)
-        spec = self.layout.spec
-        if spec.hadamard is not None:
-            work = torch.float64 if dtype == torch.float64 else torch.float32
-            out = _hadamard(out.to(work), spec, self.layout.axis, inverse=True)
-        return out.to(dtype)
+        return _finish(self.layout.from_blocks(out), self.layout.spec, self.layout.axis, dtype)
+
+
+def _finish(out: torch.Tensor, spec: QuantSpec, axis: int, dtype: torch.dtype) -> torch.Tensor:
+    """The last step of dequantization: undo the Hadamard transform (in float64 for float64
+    output), then cast to dtype."""
+    if spec.hadamard is not None:
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        out = _hadamard(out.to(work), spec, axis, inverse=True)
+    return out.to(dtype)
 
 
 def quantize_blocks(

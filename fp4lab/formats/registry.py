@@ -7,9 +7,10 @@ everywhere a preset is: in `quantize`, in attention recipes, in the kernels and 
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
-__all__ = ["register", "get", "names", "unregister"]
+__all__ = ["register", "get", "names", "unregister", "parse_enum"]
 
 _REGISTRY: dict[str, Any] = {}
 
@@ -51,3 +52,15 @@ def get(name: str, kind: type | tuple[type, ...] | None = None) -> Any:
 def names(kind: type | tuple[type, ...] | None = None) -> list[str]:
     """Registered names in registration order, optionally only those of type `kind`."""
     return [n for n, obj in _REGISTRY.items() if kind is None or isinstance(obj, kind)]
+
+
+def parse_enum(kind: type[enum.Enum], value: Any, field: str) -> enum.Enum:
+    """A member of `kind` from itself or its value (a name such as ``"nearest_even"``);
+    anything else raises ValueError naming `field` and the accepted values."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        known = ", ".join(str(m.value) for m in kind)
+        raise ValueError(f"{field} must be one of {known}; got {value!r}") from None

@@ -21,6 +21,7 @@ import enum
 import torch
 
 from fp4lab.formats.float_format import FloatFormat, Specials, _pow2
+from fp4lab.formats.registry import parse_enum
 
 __all__ = ["Rounding", "round_to_format", "as_generator"]
 
@@ -54,13 +55,7 @@ class Rounding(enum.Enum):
     @classmethod
     def parse(cls, value: Rounding | str) -> Rounding:
         """A member from itself or its name (``"nearest_even"``, ...)."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            known = ", ".join(m.value for m in cls)
-            raise ValueError(f"rounding must be one of {known}; got {value!r}") from None
+        return parse_enum(cls, value, "rounding")
 
 
 def as_generator(generator: torch.Generator | int | None) -> torch.Generator | None:

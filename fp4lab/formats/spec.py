@@ -31,7 +31,7 @@ from fp4lab.formats.named import (
     UE5M3,
     UE8M0,
 )
-from fp4lab.formats.registry import register
+from fp4lab.formats.registry import parse_enum, register
 from fp4lab.formats.rounding import Rounding
 
 __all__ = ["ScaleRule", "ScaleArithmetic", "QuantSpec", "PRESETS"]
@@ -143,10 +143,8 @@ class QuantSpec:
             ok = isinstance(self.block, tuple) and len(self.block) in (1, 2)
             if not ok or not all(isinstance(b, int) and b >= 1 for b in self.block):
                 raise ValueError(f"block must be None, (n,) or (r, c) of positive ints, got {self.block!r}")
-        if not isinstance(self.scale_rule, ScaleRule):
-            object.__setattr__(self, "scale_rule", ScaleRule(self.scale_rule))
-        if not isinstance(self.arithmetic, ScaleArithmetic):
-            object.__setattr__(self, "arithmetic", ScaleArithmetic(self.arithmetic))
+        object.__setattr__(self, "scale_rule", parse_enum(ScaleRule, self.scale_rule, "scale_rule"))
+        object.__setattr__(self, "arithmetic", parse_enum(ScaleArithmetic, self.arithmetic, "arithmetic"))
         object.__setattr__(self, "rounding", Rounding.parse(self.rounding))
         if self.hadamard is not None and self.hadamard not in (2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"hadamard must be a power of two in [2, 256] or None, got {self.hadamard!r}")
