@@ -847,7 +847,8 @@ def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: _Config, t: _Tiling, rec
     """FlashAttention-2's backward (Algorithm 2): dQ, dK, dV in the working precision."""
     work = o.dtype
     dow, qw, kw, vw = do.to(work), q.to(work), k.to(work), v.to(work)
-    o_src = o_prime if cfg.recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else o
+    # DeltaSource.OUTPUT: the output as returned, in the inputs' dtype (a kernel stores O so)
+    o_src = o_prime if cfg.recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else o.to(q.dtype).to(work)
     delta = t.q_tiles((dow * o_src).sum(-1))  # D_i = rowsum(dO_i * O_i), (B, Hkv, G, nQ, bm)
     ops = _backward_operands(dow, qw, kw, vw, saved, cfg, t, rec is not None)
     if rec is not None:

@@ -65,3 +65,18 @@ def test_trace_of_a_straight_through_stochastic_recipe():
     assert columns
     backward = [f[f["product"].isin(["dp", "dq", "dk"])][columns].reset_index(drop=True) for f in frames]
     pd.testing.assert_frame_equal(backward[0], backward[1])
+
+
+def test_delta_comes_from_the_returned_bf16_output():
+    """D = rowsum(dO * O) uses O as returned (bf16 here), as a kernel that stored O does:
+    the dense float32 backward with D from the bf16 O gives the same dQ."""
+    q, k, v, do = (t.bfloat16() for t in qkv(2, (1, 1, 32, 32)))
+    qq = q.clone().requires_grad_()
+    o = attention(qq, k, v, "exact", block_m=32, block_n=32)
+    o.backward(do)
+    qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
+    p = torch.softmax((qf @ kf.transpose(-1, -2)) / 32**0.5, dim=-1)
+    delta = (dof * o.float()).sum(-1, keepdim=True)
+    ds = p * (dof @ vf.transpose(-1, -2) - delta)
+    dq = (ds @ kf) / 32**0.5
+    assert torch.equal(qq.grad, dq.bfloat16())
