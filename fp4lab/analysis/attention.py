@@ -61,9 +61,9 @@ from fp4lab.formats import (
 
 __all__ = ["attention", "patch_sdpa", "quantize_operand"]
 
-# Elements of one (batch, heads, query tiles, block_m, block_n) tile tensor processed at a
-# time; query tiles are taken in chunks of at most this size (memory ~ 10x this in floats).
-_CHUNK_ELEMENTS = 1 << 18
+# Elements of one block's tile tensor (batch, heads, query tiles, key tiles, block_m,
+# block_n): the work runs in blocks of at most this size (memory ~ 20x this in floats).
+_BLOCK_ELEMENTS = 1 << 20
 _LOG2E = math.log2(math.e)
 # Relative slack when judging a block scale out of its format's range: NVFP4's tensor scale
 # maps the tensor amax to exactly 448 up to float32 rounding, which is not an overflow.
@@ -447,7 +447,9 @@ def _flags(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dic
 @dataclass(frozen=True)
 class _Tiling:
     """Shapes and tiles. Query-side tensors are kept as (B, Hkv, G, nQ, block_m, E), query
-    head h = kv_head * G + g; key-side tensors as (B, Hkv, nK, block_n, E)."""
+    head h = kv_head * G + g; key-side tensors as (B, Hkv, nK, block_n, E). The work runs
+    in blocks of n query tiles by g key tiles, whose tile tensors are
+    (B, Hkv, G, n, g, block_m, block_n)."""
 
     B: int
     H: int
@@ -485,33 +487,48 @@ class _Tiling:
     def k_untile(self, t):  # (B, Hkv, nK, bn, E) -> (B, Hkv, Sk, E)
         return t.reshape(self.B, self.Hk, self.nK * self.bn, t.shape[-1])[:, :, : self.Sk]
 
-    def chunks(self) -> list[tuple[int, int]]:
-        """Query-tile ranges [i0, i1) whose tile tensors hold at most _CHUNK_ELEMENTS."""
-        per_tile = self.B * self.H * self.bm * self.bn
-        step = max(1, _CHUNK_ELEMENTS // max(per_tile, 1))
-        return [(i, min(i + step, self.nQ)) for i in range(0, self.nQ, step)]
+    def blocks(self) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """Chunks of query tiles [i0, i1), each with the groups of key tiles [j0, j1) it
+        visits, in order; a block's tile tensor holds at most _BLOCK_ELEMENTS elements
+        (or one tile pair per (batch, head)). A chunk takes every key tile at once when
+        they fit, and then as many query tiles as fit."""
+        tiles = max(1, _BLOCK_ELEMENTS // max(self.B * self.H * self.bm * self.bn, 1))
+        group = min(tiles, max(self.nK, 1))
+        step = max(1, tiles // group)
+        out = []
+        for i0 in range(0, self.nQ, step):
+            i1 = min(i0 + step, self.nQ)
+            seen = self.key_tiles_seen(i0, i1)
+            out.append((i0, i1, [(j, min(j + group, seen)) for j in range(0, seen, group)]))
+        return out
 
-    def key_tiles(self, i0: int, i1: int) -> range:
-        """Key tiles any query of tiles [i0, i1) can see."""
+    def key_tiles_seen(self, i0: int, i1: int) -> int:
+        """How many key tiles (a prefix) the queries of tiles [i0, i1) can see."""
         if not self.causal:
-            return range(self.nK)
+            return self.nK
         last_row = min(i1 * self.bm, self.Sq) - 1
-        return range(min(self.nK, last_row // self.bn + 1))
+        return min(self.nK, last_row // self.bn + 1)
 
-    def first_q_tile(self, j: int, i0: int) -> int:
-        """First query tile (>= i0) with a row that can see key tile j."""
-        return max(i0, (j * self.bn) // self.bm) if self.causal else i0
-
-    def valid(self, i0: int, i1: int, j: int, device) -> torch.Tensor:
-        """(i1 - i0, bm, bn) bool: in range, and not masked by causality."""
-        rows = torch.arange(i0 * self.bm, i1 * self.bm, device=device).view(i1 - i0, self.bm, 1)
-        cols = torch.arange(j * self.bn, (j + 1) * self.bn, device=device).view(1, 1, self.bn)
+    def valid(self, i0: int, i1: int, j0: int, j1: int, device) -> torch.Tensor:
+        """(n, g, bm, bn) bool: in range, and not masked by causality."""
+        rows = torch.arange(i0 * self.bm, i1 * self.bm, device=device).view(i1 - i0, 1, self.bm, 1)
+        cols = torch.arange(j0 * self.bn, j1 * self.bn, device=device).view(1, j1 - j0, 1, self.bn)
         ok = (rows < self.Sq) & (cols < self.Sk)
         return ok & (cols <= rows) if self.causal else ok
 
+    def visible(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
+        """(n, g) bool (CPU): the tiles with a (query, key) pair that the lengths and the
+        causal mask leave, the tiles a kernel visits; the trace records only these."""
+        i = torch.arange(i0, i1).view(-1, 1)
+        first_col = torch.arange(j0, j1).view(1, -1) * self.bn
+        ok = (i * self.bm < self.Sq) & (first_col < self.Sk)
+        if self.causal:
+            ok = ok & (first_col <= torch.clamp((i + 1) * self.bm, max=self.Sq) - 1)
+        return ok
+
 
 class _MaskTiles:
-    """attn_mask as tiles: (B|1, Hkv|1, G|1, nQ, bm, nK, bn), padded with 'masked'."""
+    """attn_mask as tiles: (B|1, Hkv|1, G|1, nQ, nK, bm, bn), padded with 'masked'."""
 
     def __init__(self, mask: torch.Tensor, t: _Tiling):
         mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
@@ -519,11 +536,11 @@ class _MaskTiles:
         heads = (t.Hk, t.G) if mask.shape[1] == t.H else (1, 1)
         fill = False if mask.dtype == torch.bool else -math.inf
         mask = F.pad(mask, (0, t.nK * t.bn - t.Sk, 0, t.nQ * t.bm - t.Sq), value=fill)
-        self.tiles = mask.reshape(mask.shape[0], *heads, t.nQ, t.bm, t.nK, t.bn)
+        self.tiles = mask.reshape(mask.shape[0], *heads, t.nQ, t.bm, t.nK, t.bn).transpose(-3, -2)
         self.boolean = mask.dtype == torch.bool
 
-    def apply(self, s: torch.Tensor, i0: int, i1: int, j: int) -> torch.Tensor:
-        tile = self.tiles[:, :, :, i0:i1, :, j, :]
+    def apply(self, s: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
+        tile = self.tiles[:, :, :, i0:i1, j0:j1]
         if self.boolean:
             return s.masked_fill(~tile, -math.inf)
         return s + tile.to(s.dtype)
@@ -572,31 +589,40 @@ def _direct_p(s, m_row, recipe: AttentionRecipe, flags: bool) -> _Quantized:
 
 # -- the online softmax -------------------------------------------------------------------------
 class _Running:
-    """Running row maximum m and the sums it rescales (l, acc, ...) of a chunk of query
-    tiles, each (B, Hkv, G, n, bm[, E]); updates touch query tiles a: of the chunk."""
+    """The online softmax of a chunk of query tiles: the running row maximum m
+    (B, Hkv, G, n, bm) and the sums it rescales (l, acc, ...), advanced a block of key tiles
+    at a time."""
 
     def __init__(self, shape, dv: int, dtype, device):
         self.m = torch.full(shape, -math.inf, dtype=dtype, device=device)
         zeros = lambda *extra: torch.zeros(shape + extra, dtype=dtype, device=device)  # noqa: E731
         self.sums: dict[str, torch.Tensor] = {"l": zeros(), "acc": zeros(dv)}
 
-    def step(self, a: int, s: torch.Tensor):
-        """-- update m --; returns P = exp(S - m'), m' (0 where a row saw nothing yet) and the
-        rescale factor alpha = exp(m - m') of the old sums."""
-        m_old = self.m[:, :, :, a:].clone()
-        m_new = torch.maximum(m_old, s.amax(dim=-1))
-        m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
-        self.m[:, :, :, a:] = m_new
-        return torch.exp(s - m_use.unsqueeze(-1)), m_use, torch.exp(m_old - m_use)
+    def step(self, s: torch.Tensor):
+        """-- update m -- over a block of scores s (..., n, g, bm, bn), key tile by key tile:
+        m_j = max(m, rowmax S_1, ..., rowmax S_j), the maximum a kernel holds after key tile j
+        (a cumulative maximum gives every m_j at once, the same values as the loop). Returns
+        P = exp(S_j - m_j), m_j (0 where a row has seen nothing yet) (..., n, g, bm), and the
+        weights (alpha, w) that bring the old sums and each tile's terms to the block's last
+        maximum m_end: alpha = exp(m - m_end), w_j = exp(m_j - m_end)."""
+        m_tiles = torch.maximum(torch.cummax(s.amax(dim=-1), dim=-2).values, self.m.unsqueeze(-2))
+        m_end = m_tiles[..., -1, :]
+        end = torch.where(m_end == -math.inf, 0.0, m_end)
+        m_use = torch.where(m_tiles == -math.inf, 0.0, m_tiles)
+        weights = (torch.exp(self.m - end), torch.exp(m_tiles - end.unsqueeze(-2)))
+        self.m = m_end
+        return torch.exp(s - m_use.unsqueeze(-1)), m_use, weights
 
-    def add(self, name: str, a: int, alpha: torch.Tensor, value: torch.Tensor) -> None:
-        """-- update a sum --: sum = alpha * sum + value on query tiles a:."""
+    def add(self, name: str, weights, value: torch.Tensor) -> None:
+        """-- update a sum --: sum = alpha * sum + sum_j w_j value_j, for the terms
+        value (..., n, g, bm[, E]) of the block's key tiles j."""
+        alpha, w = weights
+        if value.ndim > w.ndim:
+            alpha, w = alpha.unsqueeze(-1), w.unsqueeze(-1)
+        total = (value * w.to(value.dtype)).sum(dim=4)
         if name not in self.sums:
-            shape = self.m.shape + value.shape[5:]
-            self.sums[name] = torch.zeros(shape, dtype=value.dtype, device=value.device)
-        part = self.sums[name][:, :, :, a:]
-        scale = alpha if value.ndim == alpha.ndim else alpha.unsqueeze(-1)
-        part.mul_(scale.to(part.dtype)).add_(value)
+            self.sums[name] = total.new_zeros(total.shape)
+        self.sums[name] = self.sums[name].mul_(alpha.to(total.dtype)).add_(total)
 
     def finish(self, acc: str, denominator: str):
         """O = acc / l (0 for fully masked rows, as SDPA) and lse = m + log l (+inf there, so
@@ -620,28 +646,33 @@ class _Operands:
     stats: dict
 
 
-def _rows_times(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x (B, Hkv, G, n, r, c) @ y (B, Hkv, c, e): every row of every tile of one (batch, KV
-    head) in one matrix product, (B, Hkv, G, n, r, e)."""
-    b, h, g, n, r, c = x.shape
-    return (x.reshape(b, h, g * n * r, c) @ y).view(b, h, g, n, r, y.shape[-1])
+# Products of a block, one per tile pair (i, j) (the trace needs each tile's product):
+def _pairs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x_i y_j^T for query tiles x (B, Hkv, G, n, r, c) and key tiles y (B, Hkv, g, e, c):
+    (B, Hkv, G, n, g, r, e) (S = Q K^T, dP = dO V^T)."""
+    return x.unsqueeze(4) @ y.transpose(-1, -2)[:, :, None, None]
 
 
-def _rows_t_times(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """sum over the tiles' rows of x^T y: x (B, Hkv, G, n, r, c), y (B, Hkv, G, n, r, e)
-    -> (B, Hkv, c, e), one matrix product per (batch, KV head) (dV and dK's reduction)."""
-    b, h, g, n, r, c = x.shape
-    return x.reshape(b, h, g * n * r, c).transpose(-1, -2) @ y.reshape(b, h, g * n * r, y.shape[-1])
+def _times_key(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x_ij y_j for tiles x (B, Hkv, G, n, g, r, c) and key tiles y (B, Hkv, g, c, e):
+    (B, Hkv, G, n, g, r, e) (P V, dS K)."""
+    return x @ y[:, :, None, None]
 
 
-def _scores(ops: _Operands, cfg: _Config, t: _Tiling, mask, a: int, i1: int, j: int):
-    """Scores of query tiles [a, i1) against key tile j, before and after masking, and
-    whether the masks left every entry (then the trace need not mask its statistics)."""
-    s = _rows_times(ops.q[:, :, :, a:i1], ops.k[:, :, j].transpose(-1, -2)).mul_(cfg.scale)
+def _t_times_query(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x_ij^T y_i for tiles x (B, Hkv, G, n, g, r, c) and query tiles y (B, Hkv, G, n, r, e):
+    (B, Hkv, G, n, g, c, e) (P^T dO, dS^T Q: each query tile's part of dV_j, dK_j)."""
+    return x.transpose(-1, -2) @ y.unsqueeze(4)
+
+
+def _scores(ops: _Operands, cfg: _Config, t: _Tiling, mask, i0: int, i1: int, j0: int, j1: int):
+    """Scores of query tiles [i0, i1) against key tiles [j0, j1), before and after masking,
+    and whether the masks left every entry (then the trace need not mask its statistics)."""
+    s = _pairs(ops.q[:, :, :, i0:i1], ops.k[:, :, j0:j1]).mul_(cfg.scale)
     if ops.mu is not None:  # SageAttention2's correction term, in the working precision
-        s = s + cfg.scale * _rows_times(ops.mu[:, :, :, a:i1], ops.k_plain[:, :, j].transpose(-1, -2))
-    masked = s if mask is None else mask.apply(s, a, i1, j)
-    valid = t.valid(a, i1, j, s.device)
+        s = s + cfg.scale * _pairs(ops.mu[:, :, :, i0:i1], ops.k_plain[:, :, j0:j1])
+    masked = s if mask is None else mask.apply(s, i0, i1, j0, j1)
+    valid = t.valid(i0, i1, j0, j1, s.device)
     full = mask is None and bool(valid.all())
     return s, (masked if full else masked.masked_fill(~valid, -math.inf)), full
 
@@ -670,13 +701,15 @@ def _masked_product_stats(y, y_ref, keep) -> dict:
     return product_stats(y.masked_fill(~keep, 0), y_ref.masked_fill(~keep, 0))
 
 
-def _k_slice(stats: dict, j: int, like: torch.Tensor) -> dict:
-    """Key-tile statistics (B, Hkv, nK) of tile j, broadcast to like's (B, Hkv, G, n)."""
-    return {k: v[:, :, j, None, None].expand_as(like) for k, v in stats.items()}
+def _q_block(stats: dict, i0: int, i1: int, like: torch.Tensor) -> dict:
+    """Query-tile statistics (B, Hkv, G, nQ) of tiles [i0, i1), broadcast to like's
+    (B, Hkv, G, n, g)."""
+    return {k: v[:, :, :, i0:i1, None].expand_as(like) for k, v in stats.items()}
 
 
-def _q_slice(stats: dict, a: int, i1: int) -> dict:
-    return {k: v[:, :, :, a:i1] for k, v in stats.items()}
+def _k_block(stats: dict, j0: int, j1: int, like: torch.Tensor) -> dict:
+    """Key-tile statistics (B, Hkv, nK) of tiles [j0, j1), broadcast to like's shape."""
+    return {k: v[:, :, None, None, j0:j1].expand_as(like) for k, v in stats.items()}
 
 
 def _mask_tiles(cfg: _Config, t: _Tiling):
@@ -704,34 +737,33 @@ def _forward(q, k, v, cfg: _Config, t: _Tiling, rec: TraceCall | None):
     ops = _Operands(t.q_tiles(q_hat.values), t.k_tiles(k_hat.values), mu, t.k_tiles(kw), stats)
     v_tiles = t.k_tiles(v_hat.values)
     mask = _mask_tiles(cfg, t)
-    pieces = [_forward_chunk(ops, v_tiles, cfg, t, mask, i0, i1, rec) for i0, i1 in t.chunks()]
+    pieces = [_forward_chunk(ops, v_tiles, cfg, t, mask, i0, i1, groups, rec) for i0, i1, groups in t.blocks()]
     o, lse, o_prime = (torch.cat(x, dim=3) if x[0] is not None else None for x in zip(*pieces, strict=True))
     saved = (q_hat.values, k_hat.values, v_hat.values, mu)
     return t.q_untile(o), lse, (t.q_untile(o_prime) if o_prime is not None else None), saved
 
 
-def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: int, rec):
-    """Query tiles [i0, i1) against every key tile they see."""
+def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: int, groups, rec):
+    """Query tiles [i0, i1) against the key tiles they see, a group of key tiles at a time."""
     recipe, q = cfg.recipe, ops.q
-    shape = (t.B, t.Hk, t.G, i1 - i0, t.bm)
-    run = _Running(shape, v_tiles.shape[-1], q.dtype, q.device)
+    run = _Running((t.B, t.Hk, t.G, i1 - i0, t.bm), v_tiles.shape[-1], q.dtype, q.device)
     ref = _Reference(ops, t, i0, i1, rec) if rec is not None else None
-    for j in t.key_tiles(i0, i1):
-        a = t.first_q_tile(j, i0)
-        s_raw, s, full = _scores(ops, cfg, t, mask, a, i1, j)
-        p, m_use, alpha = run.step(a - i0, s)
+    for j0, j1 in groups:
+        s_raw, s, full = _scores(ops, cfg, t, mask, i0, i1, j0, j1)
+        p, m_use, weights = run.step(s)
         p_hat = _quantize_p(p, s, m_use, recipe, cfg.generator, flags=rec is not None)
-        pv = _rows_times(p_hat.values, v_tiles[:, :, j])  # (B, Hkv, G, n, bm, Dv)
+        v_j = v_tiles[:, :, j0:j1]
+        pv = _times_key(p_hat.values, v_j)  # (B, Hkv, G, n, g, bm, Dv)
         consumed, plain = p_hat.values.sum(-1), p.sum(-1)
-        run.add("l", a - i0, alpha, consumed if recipe.row_sum is RowSum.QUANTIZED_P else plain)
-        run.add("acc", a - i0, alpha, pv)
+        run.add("l", weights, consumed if recipe.row_sum is RowSum.QUANTIZED_P else plain)
+        run.add("acc", weights, pv)
         if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:  # Attn-QAT's O' = (P V^) / sum P
-            run.add("acc_prime", a - i0, alpha, _rows_times(p, v_tiles[:, :, j]))
-            run.add("l_prime", a - i0, alpha, plain)
+            run.add("acc_prime", weights, _times_key(p, v_j))
+            run.add("l_prime", weights, plain)
         if ref is not None:
-            run.add("l_consumed", a - i0, alpha, consumed)
-            run.add("l_plain", a - i0, alpha, plain)
-            ref.tile(a, j, (s_raw, s, full), p, p_hat, pv, m_use, mask, cfg)
+            run.add("l_consumed", weights, consumed)
+            run.add("l_plain", weights, plain)
+            ref.block(j0, j1, (s_raw, s, full), p, p_hat, pv, m_use, mask, cfg)
     o, lse = run.finish("acc", "l")
     o_prime = run.finish("acc_prime", "l_prime")[0] if "acc_prime" in run.sums else None
     if ref is not None:
@@ -750,28 +782,30 @@ class _Reference:
     def __init__(self, ops: _Operands, t: _Tiling, i0: int, i1: int, rec: TraceCall):
         self.ops, self.t, self.i0, self.i1, self.rec = ops, t, i0, i1, rec
         q64, k64, v64 = ops.stats["ref"]
-        self.q64, self.k64, self.v64 = t.q_tiles(q64), t.k_tiles(k64), t.k_tiles(v64)
+        self.q64, self.k64, self.v64 = t.q_tiles(q64)[:, :, :, i0:i1], t.k_tiles(k64), t.k_tiles(v64)
         shape = (t.B, t.Hk, t.G, i1 - i0, t.bm)
         self.run = _Running(shape, v64.shape[-1], q64.dtype, q64.device)
         self.log_lost = torch.full(shape + (t.nK,), -math.inf, dtype=q64.dtype, device=q64.device)
 
-    def tile(self, a, j, scores, p, p_hat, pv, m_use, mask, cfg) -> None:
-        """Statistics of qk and pv on query tiles [a, i1) x key tile j; exact softmax step."""
-        (s_raw, s, full), ops, i1, like = scores, self.ops, self.i1, scores[1][..., 0, 0]
-        s_ref = _rows_times(self.q64[:, :, :, a:i1], self.k64[:, :, j].transpose(-1, -2)).mul_(cfg.scale)
+    def block(self, j0, j1, scores, p, p_hat, pv, m_use, mask, cfg) -> None:
+        """Statistics of qk and pv on the chunk's query tiles x key tiles [j0, j1); the
+        exact softmax's step."""
+        (s_raw, s, full), ops, i0, i1, like = scores, self.ops, self.i0, self.i1, scores[1][..., 0, 0]
+        visible = self.t.visible(i0, i1, j0, j1)
+        s_ref = _pairs(self.q64, self.k64[:, :, j0:j1]).mul_(cfg.scale)
         keep = None if full else s > -math.inf  # entries the masks leave
-        qk = {**prefix(_q_slice(ops.stats["q"], a, i1), "a"), **prefix(_k_slice(ops.stats["k"], j, like), "b")}
-        self.rec.add(Product.QK, a, j, {**qk, **_masked_product_stats(s_raw, s_ref, keep)})
-        v64j = self.v64[:, :, j]
-        pv_stats = {**prefix(operand_stats(p, p_hat.values, p_hat.counts), "a"), **prefix(_k_slice(ops.stats["v"], j, like), "b")}
-        self.rec.add(Product.PV, a, j, {**pv_stats, **product_stats(pv, _rows_times(p.to(v64j.dtype), v64j))})
+        qk = {**prefix(_q_block(ops.stats["q"], i0, i1, like), "a"), **prefix(_k_block(ops.stats["k"], j0, j1, like), "b")}
+        self.rec.add(Product.QK, i0, j0, {**qk, **_masked_product_stats(s_raw, s_ref, keep)}, visible)
+        v64 = self.v64[:, :, j0:j1]
+        pv_stats = {**prefix(operand_stats(p, p_hat.values, p_hat.counts), "a"), **prefix(_k_block(ops.stats["v"], j0, j1, like), "b")}
+        self.rec.add(Product.PV, i0, j0, {**pv_stats, **product_stats(pv, _times_key(p.to(v64.dtype), v64))}, visible)
         lost = (p - p * p_hat.values.sign()).sum(-1)  # flushed P of each row (P^ >= 0)
-        self.log_lost[:, :, :, a - self.i0 :, :, j] = (m_use + torch.log(lost)).to(self.log_lost.dtype)
+        self.log_lost[..., j0:j1] = (m_use + torch.log(lost)).transpose(-1, -2).to(self.log_lost.dtype)
         if not full:
-            s_ref = (s_ref if mask is None else mask.apply(s_ref, a, i1, j)).masked_fill(~keep, -math.inf)
-        p_ref, _, alpha = self.run.step(a - self.i0, s_ref)
-        self.run.add("l", a - self.i0, alpha, p_ref.sum(-1))
-        self.run.add("acc", a - self.i0, alpha, _rows_times(p_ref, v64j))
+            s_ref = (s_ref if mask is None else mask.apply(s_ref, i0, i1, j0, j1)).masked_fill(~keep, -math.inf)
+        p_ref, _, weights = self.run.step(s_ref)
+        self.run.add("l", weights, p_ref.sum(-1))
+        self.run.add("acc", weights, _times_key(p_ref, v64))
 
     def finish(self, run: _Running, o: torch.Tensor, lse: torch.Tensor) -> None:
         """Per-query-tile statistics of the chunk, and P's lost probability mass per tile."""
@@ -790,9 +824,9 @@ class _Reference:
         self.rec.add_out(self.i0, out)
         lost = torch.where(rows.unsqueeze(-1), torch.exp(self.log_lost - lse.to(self.log_lost.dtype).unsqueeze(-1)), 0.0)
         lost = lost.sum(-2) / count.unsqueeze(-1)  # (B, Hkv, G, n, nK)
-        for j in self.t.key_tiles(self.i0, self.i1):
-            a = self.t.first_q_tile(j, self.i0)
-            self.rec.add(Product.PV, a, j, {"p_mass_lost": lost[:, :, :, a - self.i0 :, j]})
+        seen = self.t.key_tiles_seen(self.i0, self.i1)
+        visible = self.t.visible(self.i0, self.i1, 0, seen)
+        self.rec.add(Product.PV, self.i0, 0, {"p_mass_lost": lost[..., :seen]}, visible)
 
 
 # -- backward --------------------------------------------------------------------------------------
@@ -857,63 +891,68 @@ def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: _Config, t: _Tiling, rec
     dk = torch.zeros(t.B, t.Hk, t.nK, t.bn, q.shape[-1], dtype=work, device=q.device)
     dv = torch.zeros(t.B, t.Hk, t.nK, t.bn, v.shape[-1], dtype=work, device=q.device)
     mask = _mask_tiles(cfg, t)
-    dq = [_backward_chunk(ops, cfg, t, mask, i0, i1, lse, delta, dk, dv, rec) for i0, i1 in t.chunks()]
+    dq = [_backward_chunk(ops, cfg, t, mask, i0, i1, groups, lse, delta, dk, dv, rec) for i0, i1, groups in t.blocks()]
     dq = torch.cat(dq, dim=3) if dq else torch.zeros_like(t.q_tiles(qw))
     return t.q_untile(dq), t.k_untile(dk), t.k_untile(dv)
 
 
-def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, i1, lse, delta, dk, dv, rec):
-    """Query tiles [i0, i1) against every key tile they see; accumulates dK, dV, returns dQ."""
+def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, i1, groups, lse, delta, dk, dv, rec):
+    """Query tiles [i0, i1) against the key tiles they see; accumulates dK, dV, returns dQ."""
     recipe, gen, tracing = cfg.recipe, cfg.generator, rec is not None
     dq = torch.zeros(t.B, t.Hk, t.G, i1 - i0, t.bm, ops.k_dq.shape[-1], dtype=dk.dtype, device=dk.device)
-    for j in t.key_tiles(i0, i1):
-        a = t.first_q_tile(j, i0)
-        _, s, full = _scores(ops.scores, cfg, t, mask, a, i1, j)
-        lse_a = lse[:, :, :, a:i1]
-        p = torch.exp(s - lse_a.unsqueeze(-1))  # P rebuilt from the forward's lse
+    lse_c = lse[:, :, :, i0:i1].unsqueeze(-2)  # (B, Hkv, G, n, 1, bm)
+    delta_c = delta[:, :, :, i0:i1, None, :, None]  # (B, Hkv, G, n, 1, bm, 1)
+    for j0, j1 in groups:
+        _, s, full = _scores(ops.scores, cfg, t, mask, i0, i1, j0, j1)
+        p = torch.exp(s - lse_c.unsqueeze(-1))  # P rebuilt from the forward's lse
         if recipe.backward is BackwardMode.STRAIGHT_THROUGH:
-            p_dv = _quantize_p(p, s, lse_a, recipe, gen, tracing)
+            p_dv = _quantize_p(p, s, lse_c.expand(s.shape[:-1]), recipe, gen, tracing)
         else:
             p_dv = _quantize_field(p, recipe, "dv_p", gen, tracing)
-        dv[:, :, j] += _rows_t_times(p_dv.values, ops.do_dv[:, :, :, a:i1])  # dV_j += P^T dO
-        dp = _rows_times(ops.do_dp[:, :, :, a:i1], ops.v_dp[:, :, j].transpose(-1, -2))
-        ds = p * (dp - delta[:, :, :, a:i1].unsqueeze(-1))  # dS = P * (dP - D)
+        dv_tiles = _t_times_query(p_dv.values, ops.do_dv[:, :, :, i0:i1])  # P_ij^T dO_i
+        dv[:, :, j0:j1] += dv_tiles.sum((2, 3))
+        dp = _pairs(ops.do_dp[:, :, :, i0:i1], ops.v_dp[:, :, j0:j1])
+        ds = p * (dp - delta_c)  # dS = P * (dP - D)
         ds_q = _quantize_field(ds, recipe, "dq_ds", gen, tracing)
-        dq_part = _rows_times(ds_q.values, ops.k_dq[:, :, j])  # (B, Hkv, G, n, bm, D)
-        dq[:, :, :, a - i0 :] += cfg.scale * dq_part
+        dq_tiles = _times_key(ds_q.values, ops.k_dq[:, :, j0:j1])  # dS_ij K_j
+        dq += cfg.scale * dq_tiles.sum(4)
         ds_k = _quantize_field(ds, recipe, "dk_ds", gen, tracing)
-        dk[:, :, j] += cfg.scale * _rows_t_times(ds_k.values, ops.q_dk[:, :, :, a:i1])  # dK_j += dS^T Q
+        dk_tiles = _t_times_query(ds_k.values, ops.q_dk[:, :, :, i0:i1])  # dS_ij^T Q_i
+        dk[:, :, j0:j1] += cfg.scale * dk_tiles.sum((2, 3))
         if tracing:
-            tiles = {"p": p, "p_dv": p_dv, "dp": dp, "ds": ds, "ds_q": ds_q, "dq": dq_part, "ds_k": ds_k}
-            _backward_stats(ops, tiles, s, full, lse_a, a, i1, j, rec)
+            tiles = {
+                "p": p, "p_dv": p_dv, "dp": dp, "ds": ds, "ds_q": ds_q, "ds_k": ds_k, "dv": dv_tiles,
+                "dq": dq_tiles, "dk": dk_tiles,
+            }
+            _backward_stats(ops, tiles, s, full, lse_c, t, (i0, i1, j0, j1), rec)
     return dq
 
 
-def _backward_stats(ops: _BackwardOperands, x: dict, s, full: bool, lse_a, a: int, i1: int, j: int, rec: TraceCall) -> None:
-    """Statistics of dv, dp, dq, dk on query tiles [a, i1) x key tile j. dV and dK tiles are
-    each query tile's contribution P^T dO, dS^T Q (the backward itself sums them at once)."""
+def _backward_stats(ops: _BackwardOperands, x: dict, s, full: bool, lse_c, t: _Tiling, block, rec: TraceCall) -> None:
+    """Statistics of dv, dp, dq, dk on a block of tiles. dV and dK tiles are each query
+    tile's contribution P^T dO, dS^T Q (the backward sums them over the query tiles)."""
+    i0, i1, j0, j1 = block
     q64, k64, v64, do64 = ops.stats["ref"]
-    q64, do64, k64j, v64j = q64[:, :, :, a:i1], do64[:, :, :, a:i1], k64[:, :, j], v64[:, :, j]
+    q64, do64, k64j, v64j = q64[:, :, :, i0:i1], do64[:, :, :, i0:i1], k64[:, :, j0:j1], v64[:, :, j0:j1]
     st, like = ops.stats, s[..., 0, 0]
     p64, ds64 = x["p"].to(q64.dtype), x["ds"].to(q64.dtype)
-    do_dv, q_dk = ops.do_dv[:, :, :, a:i1], ops.q_dk[:, :, :, a:i1]
-    rows = torch.isfinite(lse_a)  # rows that see a key
+    rows = torch.isfinite(lse_c)  # rows that see a key, (B, Hkv, G, n, 1, bm)
     lost = (x["p"] - x["p"] * x["p_dv"].values.sign()).sum(-1)  # flushed P per row (P^ >= 0)
     mass = torch.where(rows, lost, 0.0).double().sum(-1) / rows.sum(-1).double()
     keep = None if full else s > -math.inf
     records = {
-        Product.DV: (operand_stats(x["p"], x["p_dv"].values, x["p_dv"].counts), _q_slice(st["do_dv"], a, i1),
-                     product_stats(x["p_dv"].values.transpose(-1, -2) @ do_dv, p64.transpose(-1, -2) @ do64),
-                     {"p_mass_lost": mass}),
-        Product.DP: (_q_slice(st["do_dp"], a, i1), _k_slice(st["v_dp"], j, like),
-                     _masked_product_stats(x["dp"], _rows_times(do64, v64j.transpose(-1, -2)), keep), {}),
-        Product.DQ: (operand_stats(x["ds"], x["ds_q"].values, x["ds_q"].counts), _k_slice(st["k_dq"], j, like),
-                     product_stats(x["dq"], _rows_times(ds64, k64j)), {}),
-        Product.DK: (operand_stats(x["ds"], x["ds_k"].values, x["ds_k"].counts), _q_slice(st["q_dk"], a, i1),
-                     product_stats(x["ds_k"].values.transpose(-1, -2) @ q_dk, ds64.transpose(-1, -2) @ q64), {}),
+        Product.DV: (operand_stats(x["p"], x["p_dv"].values, x["p_dv"].counts), _q_block(st["do_dv"], i0, i1, like),
+                     product_stats(x["dv"], _t_times_query(p64, do64)), {"p_mass_lost": mass}),
+        Product.DP: (_q_block(st["do_dp"], i0, i1, like), _k_block(st["v_dp"], j0, j1, like),
+                     _masked_product_stats(x["dp"], _pairs(do64, v64j), keep), {}),
+        Product.DQ: (operand_stats(x["ds"], x["ds_q"].values, x["ds_q"].counts), _k_block(st["k_dq"], j0, j1, like),
+                     product_stats(x["dq"], _times_key(ds64, k64j)), {}),
+        Product.DK: (operand_stats(x["ds"], x["ds_k"].values, x["ds_k"].counts), _q_block(st["q_dk"], i0, i1, like),
+                     product_stats(x["dk"], _t_times_query(ds64, q64)), {}),
     }
+    visible = t.visible(i0, i1, j0, j1)
     for product, (sa, sb, prod, extra) in records.items():
-        rec.add(product, a, j, {**prefix(sa, "a"), **prefix(sb, "b"), **prod, **extra})
+        rec.add(product, i0, j0, {**prefix(sa, "a"), **prefix(sb, "b"), **prod, **extra}, visible)
 
 
 # -- the autograd Function ---------------------------------------------------------------------------

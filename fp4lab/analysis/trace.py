@@ -131,10 +131,12 @@ class TraceCall:
     done: dict[Product, torch.Tensor] = field(default_factory=dict)
     out: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def add(self, product: Product, i0: int, j: int, stats: dict[str, torch.Tensor]) -> None:
-        """Store one key tile's statistics for query tiles i0 .. i0 + n, each (B, Hkv, G, n).
+    def add(self, product: Product, i0: int, j0: int, stats: dict[str, torch.Tensor], visible: torch.Tensor) -> None:
+        """Store a block's statistics: query tiles i0 .. i0 + n by key tiles j0 .. j0 + g,
+        each (B, Hkv, G, n, g); `visible` (n, g) marks the tiles that count (the others, a
+        causal mask's skipped tiles, never appear in the frame).
 
-        Columns are kept stacked, (columns, B, Hkv, G, nQ, nK), so that one key tile costs
+        Columns are kept stacked, (columns, B, Hkv, G, nQ, nK), so that one block costs
         one copy whatever the number of columns."""
         if product not in self.products:
             self.products[product] = {"columns": [], "table": torch.empty((0, *self.dims), dtype=torch.float64)}
@@ -150,9 +152,9 @@ class TraceCall:
         if set(names) != set(stats):
             raise ValueError(f"columns {list(stats)} are not stored together for {product.value}")
         values = torch.stack([stats[name] for name in names]).detach().to("cpu", torch.float64)
-        n = values.shape[-1]
-        entry["table"][first : first + len(names), ..., i0 : i0 + n, j] = values
-        self.done[product][i0 : i0 + n, j] = True
+        n, g = values.shape[-2:]
+        entry["table"][first : first + len(names), ..., i0 : i0 + n, j0 : j0 + g] = values
+        self.done[product][i0 : i0 + n, j0 : j0 + g] |= visible
 
     def add_out(self, i0: int, stats: dict[str, torch.Tensor]) -> None:
         """Store per-query-tile statistics of tiles i0 .. i0 + n, each (B, Hkv, G, n)."""

@@ -231,7 +231,7 @@ def test_tile_sizes_and_chunking_do_not_change_exact_results(monkeypatch):
     q, k, v = qkv(1, 2, 2, 70, 90, 32)
     base = attention(q, k, v, causal=True, block_m=16, block_n=16)
     close(attention(q, k, v, causal=True, block_m=32, block_n=8), base, 1e-12)
-    monkeypatch.setattr(attention_module, "_CHUNK_ELEMENTS", 600)
+    monkeypatch.setattr(attention_module, "_BLOCK_ELEMENTS", 600)
     close(attention(q, k, v, causal=True, block_m=16, block_n=16), base, 1e-14)
 
 
@@ -242,7 +242,7 @@ def test_chunking_of_query_tiles_does_not_change_quantized_results(monkeypatch, 
     do = rand(1, 2, 70, 32, seed=3)
     out = attention(q, k, v, recipe, causal=True, block_m=16, block_n=32)
     g = grads(out, (q, k, v), do)
-    monkeypatch.setattr(attention_module, "_CHUNK_ELEMENTS", 16 * 32)
+    monkeypatch.setattr(attention_module, "_BLOCK_ELEMENTS", 16 * 32)
     out2 = attention(q, k, v, recipe, causal=True, block_m=16, block_n=32)
     close(out, out2, 1e-13)
     for a, b in zip(g, grads(out2, (q, k, v), do), strict=True):
