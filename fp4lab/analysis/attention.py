@@ -49,7 +49,7 @@ from fp4lab.analysis.recipe import (
     RowSum,
     resolve_recipe,
 )
-from fp4lab.analysis.trace import Trace, TraceCall, operand_stats, prefix, product_stats
+from fp4lab.analysis.trace import Trace, TraceCall, exact_count, operand_stats, prefix, product_stats
 from fp4lab.formats import (
     FloatFormat,
     QuantSpec,
@@ -424,9 +424,9 @@ def _block_quantize(x, spec: QuantSpec, axis: int, generator, per_tile: bool, wa
 
 def _flags(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dict:
     """The trace's counts (see `_Quantized`) from the scaled elements (blocks, before
-    rounding) and the block amax."""
+    rounding; overwritten here) and the block amax."""
     d = decode if decode is not None else torch.ones((), dtype=torch.float32)
-    clipped = (scaled.abs() - spec.element.max).clamp_(min=0).sign_()  # |x| > M_e s d: saturated
+    clipped = scaled.abs_().sub_(spec.element.max).clamp_(min=0).sign_()  # |x| > M_e s d: saturated
     ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
     blocks = {
         "blocks": amax > 0,
@@ -434,7 +434,7 @@ def _flags(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dic
         "scale_overflow": ideal > spec.scale.max * (1 + _SLACK),
     }
     if per_tile:  # a tile is the last two block dims
-        return {"clipped": clipped.sum((-3, -2, -1), dtype=torch.float64), **{k: v.sum((-2, -1)) for k, v in blocks.items()}}
+        return {"clipped": exact_count(clipped, (-3, -2, -1)), **{k: v.sum((-2, -1)) for k, v in blocks.items()}}
     marks = {}
     for name, flag in blocks.items():  # each block marked at its first element
         mark = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
@@ -598,20 +598,22 @@ class _Running:
         zeros = lambda *extra: torch.zeros(shape + extra, dtype=dtype, device=device)  # noqa: E731
         self.sums: dict[str, torch.Tensor] = {"l": zeros(), "acc": zeros(dv)}
 
-    def step(self, s: torch.Tensor):
+    def step(self, s: torch.Tensor, consume: bool = False):
         """-- update m -- over a block of scores s (..., n, g, bm, bn), key tile by key tile:
         m_j = max(m, rowmax S_1, ..., rowmax S_j), the maximum a kernel holds after key tile j
         (a cumulative maximum gives every m_j at once, the same values as the loop). Returns
         P = exp(S_j - m_j), m_j (0 where a row has seen nothing yet) (..., n, g, bm), and the
         weights (alpha, w) that bring the old sums and each tile's terms to the block's last
-        maximum m_end: alpha = exp(m - m_end), w_j = exp(m_j - m_end)."""
+        maximum m_end: alpha = exp(m - m_end), w_j = exp(m_j - m_end). With `consume`, P is
+        computed in s's memory."""
         m_tiles = torch.maximum(torch.cummax(s.amax(dim=-1), dim=-2).values, self.m.unsqueeze(-2))
         m_end = m_tiles[..., -1, :]
         end = torch.where(m_end == -math.inf, 0.0, m_end)
         m_use = torch.where(m_tiles == -math.inf, 0.0, m_tiles)
         weights = (torch.exp(self.m - end), torch.exp(m_tiles - end.unsqueeze(-2)))
         self.m = m_end
-        return torch.exp(s - m_use.unsqueeze(-1)), m_use, weights
+        p = s.sub_(m_use.unsqueeze(-1)) if consume else s - m_use.unsqueeze(-1)
+        return p.exp_(), m_use, weights
 
     def add(self, name: str, weights, value: torch.Tensor) -> None:
         """-- update a sum --: sum = alpha * sum + sum_j w_j value_j, for the terms
@@ -694,11 +696,12 @@ def _whole_stats(x, quant: _Quantized, tiler) -> dict:
     return operand_stats(tiler(x), tiler(quant.values), counts)
 
 
-def _masked_product_stats(y, y_ref, keep) -> dict:
-    """product_stats over the entries `keep` leaves (all when None)."""
+def _masked_product_stats(y, y_ref, keep, overwrite: bool = True) -> dict:
+    """product_stats over the entries `keep` leaves (all when None); y_ref is scratch
+    unless `overwrite` is False."""
     if keep is None:
-        return product_stats(y, y_ref)
-    return product_stats(y.masked_fill(~keep, 0), y_ref.masked_fill(~keep, 0))
+        return product_stats(y, y_ref, overwrite=overwrite)
+    return product_stats(y.masked_fill(~keep, 0), y_ref.masked_fill(~keep, 0), overwrite=True)
 
 
 def _q_block(stats: dict, i0: int, i1: int, like: torch.Tensor) -> dict:
@@ -763,7 +766,7 @@ def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: in
         if ref is not None:
             run.add("l_consumed", weights, consumed)
             run.add("l_plain", weights, plain)
-            ref.block(j0, j1, (s_raw, s, full), p, p_hat, pv, m_use, mask, cfg)
+            ref.block(j0, j1, (s_raw, s, full), p, p_hat, pv, plain, m_use, mask, cfg)
     o, lse = run.finish("acc", "l")
     o_prime = run.finish("acc_prime", "l_prime")[0] if "acc_prime" in run.sums else None
     if ref is not None:
@@ -787,7 +790,7 @@ class _Reference:
         self.run = _Running(shape, v64.shape[-1], q64.dtype, q64.device)
         self.log_lost = torch.full(shape + (t.nK,), -math.inf, dtype=q64.dtype, device=q64.device)
 
-    def block(self, j0, j1, scores, p, p_hat, pv, m_use, mask, cfg) -> None:
+    def block(self, j0, j1, scores, p, p_hat, pv, plain, m_use, mask, cfg) -> None:
         """Statistics of qk and pv on the chunk's query tiles x key tiles [j0, j1); the
         exact softmax's step."""
         (s_raw, s, full), ops, i0, i1, like = scores, self.ops, self.i0, self.i1, scores[1][..., 0, 0]
@@ -795,15 +798,16 @@ class _Reference:
         s_ref = _pairs(self.q64, self.k64[:, :, j0:j1]).mul_(cfg.scale)
         keep = None if full else s > -math.inf  # entries the masks leave
         qk = {**prefix(_q_block(ops.stats["q"], i0, i1, like), "a"), **prefix(_k_block(ops.stats["k"], j0, j1, like), "b")}
-        self.rec.add(Product.QK, i0, j0, {**qk, **_masked_product_stats(s_raw, s_ref, keep)}, visible)
+        self.rec.add(Product.QK, i0, j0, {**qk, **_masked_product_stats(s_raw, s_ref, keep, overwrite=False)}, visible)
         v64 = self.v64[:, :, j0:j1]
-        pv_stats = {**prefix(operand_stats(p, p_hat.values, p_hat.counts), "a"), **prefix(_k_block(ops.stats["v"], j0, j1, like), "b")}
-        self.rec.add(Product.PV, i0, j0, {**pv_stats, **product_stats(pv, _times_key(p.to(v64.dtype), v64))}, visible)
-        lost = (p - p * p_hat.values.sign()).sum(-1)  # flushed P of each row (P^ >= 0)
+        p_extras = {}
+        pv_stats = {**prefix(operand_stats(p, p_hat.values, p_hat.counts, extras=p_extras), "a"), **prefix(_k_block(ops.stats["v"], j0, j1, like), "b")}
+        self.rec.add(Product.PV, i0, j0, {**pv_stats, **product_stats(pv, _times_key(p.to(v64.dtype), v64), overwrite=True)}, visible)
+        lost = plain - p_extras["kept_mass"]  # flushed P of each row
         self.log_lost[..., j0:j1] = (m_use + torch.log(lost)).transpose(-1, -2).to(self.log_lost.dtype)
         if not full:
             s_ref = (s_ref if mask is None else mask.apply(s_ref, i0, i1, j0, j1)).masked_fill(~keep, -math.inf)
-        p_ref, _, weights = self.run.step(s_ref)
+        p_ref, _, weights = self.run.step(s_ref, consume=True)
         self.run.add("l", weights, p_ref.sum(-1))
         self.run.add("acc", weights, _times_key(p_ref, v64))
 
@@ -904,7 +908,7 @@ def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, 
     delta_c = delta[:, :, :, i0:i1, None, :, None]  # (B, Hkv, G, n, 1, bm, 1)
     for j0, j1 in groups:
         _, s, full = _scores(ops.scores, cfg, t, mask, i0, i1, j0, j1)
-        p = torch.exp(s - lse_c.unsqueeze(-1))  # P rebuilt from the forward's lse
+        p = (s - lse_c.unsqueeze(-1)).exp_()  # P rebuilt from the forward's lse
         if recipe.backward is BackwardMode.STRAIGHT_THROUGH:
             p_dv = _quantize_p(p, s, lse_c.expand(s.shape[:-1]), recipe, gen, tracing)
         else:
@@ -912,7 +916,7 @@ def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, 
         dv_tiles = _t_times_query(p_dv.values, ops.do_dv[:, :, :, i0:i1])  # P_ij^T dO_i
         dv[:, :, j0:j1] += dv_tiles.sum((2, 3))
         dp = _pairs(ops.do_dp[:, :, :, i0:i1], ops.v_dp[:, :, j0:j1])
-        ds = p * (dp - delta_c)  # dS = P * (dP - D)
+        ds = torch.sub(dp, delta_c).mul_(p)  # dS = P * (dP - D)
         ds_q = _quantize_field(ds, recipe, "dq_ds", gen, tracing)
         dq_tiles = _times_key(ds_q.values, ops.k_dq[:, :, j0:j1])  # dS_ij K_j
         dq += cfg.scale * dq_tiles.sum(4)
@@ -937,18 +941,22 @@ def _backward_stats(ops: _BackwardOperands, x: dict, s, full: bool, lse_c, t: _T
     st, like = ops.stats, s[..., 0, 0]
     p64, ds64 = x["p"].to(q64.dtype), x["ds"].to(q64.dtype)
     rows = torch.isfinite(lse_c)  # rows that see a key, (B, Hkv, G, n, 1, bm)
-    lost = (x["p"] - x["p"] * x["p_dv"].values.sign()).sum(-1)  # flushed P per row (P^ >= 0)
+    p_extras, ds_extras = {}, {}
+    p_stats = operand_stats(x["p"], x["p_dv"].values, x["p_dv"].counts, extras=p_extras)
+    lost = x["p"].sum(-1) - p_extras["kept_mass"]  # flushed P per row
     mass = torch.where(rows, lost, 0.0).double().sum(-1) / rows.sum(-1).double()
     keep = None if full else s > -math.inf
+    dq_stats = operand_stats(x["ds"], x["ds_q"].values, x["ds_q"].counts, extras=ds_extras)
+    dk_stats = operand_stats(x["ds"], x["ds_k"].values, x["ds_k"].counts, nonzero=ds_extras["nonzero"])
     records = {
-        Product.DV: (operand_stats(x["p"], x["p_dv"].values, x["p_dv"].counts), _q_block(st["do_dv"], i0, i1, like),
-                     product_stats(x["dv"], _t_times_query(p64, do64)), {"p_mass_lost": mass}),
+        Product.DV: (p_stats, _q_block(st["do_dv"], i0, i1, like),
+                     product_stats(x["dv"], _t_times_query(p64, do64), overwrite=True), {"p_mass_lost": mass}),
         Product.DP: (_q_block(st["do_dp"], i0, i1, like), _k_block(st["v_dp"], j0, j1, like),
                      _masked_product_stats(x["dp"], _pairs(do64, v64j), keep), {}),
-        Product.DQ: (operand_stats(x["ds"], x["ds_q"].values, x["ds_q"].counts), _k_block(st["k_dq"], j0, j1, like),
-                     product_stats(x["dq"], _times_key(ds64, k64j)), {}),
-        Product.DK: (operand_stats(x["ds"], x["ds_k"].values, x["ds_k"].counts), _q_block(st["q_dk"], i0, i1, like),
-                     product_stats(x["dk"], _t_times_query(ds64, q64)), {}),
+        Product.DQ: (dq_stats, _k_block(st["k_dq"], j0, j1, like),
+                     product_stats(x["dq"], _times_key(ds64, k64j), overwrite=True), {}),
+        Product.DK: (dk_stats, _q_block(st["q_dk"], i0, i1, like),
+                     product_stats(x["dk"], _t_times_query(ds64, q64), overwrite=True), {}),
     }
     visible = t.visible(i0, i1, j0, j1)
     for product, (sa, sb, prod, extra) in records.items():

@@ -196,24 +196,39 @@ class TraceCall:
 
 
 # -- statistics of one batch of tiles (reductions over the last two dims) -----------------------
-def operand_stats(x: torch.Tensor, xq: torch.Tensor, counts: dict | None = None) -> dict[str, torch.Tensor]:
+def operand_stats(
+    x: torch.Tensor,
+    xq: torch.Tensor,
+    counts: dict | None = None,
+    *,
+    nonzero: torch.Tensor | None = None,
+    extras: dict | None = None,
+) -> dict[str, torch.Tensor]:
     """The operand columns for tiles x -> x^ (..., rows, cols), reduced over the tile.
 
     `counts` holds per-tile counts of "clipped" elements and of "blocks" with a nonzero
     element, of which "scale_underflow" and "scale_overflow" left the scale format's range
-    (missing or None: no block scales), or is None for an unquantized operand. Sums run in
-    x's precision; results are float64.
+    (missing or None: no block scales), or is None for an unquantized operand. `nonzero`:
+    `count_nonzero(x)` if the caller has it. A dict given as `extras` receives "nonzero"
+    (that count) and "kept_mass", each row's sum of x over the elements x^ keeps nonzero
+    (..., rows). Sums run in x's precision; the columns are float64. One scratch tensor of
+    x's size is allocated (fresh large tensors cost page faults).
     """
     dims = (-2, -1)
-    nonzero = count_nonzero(x)
-    diff = torch.linalg.vector_norm(xq - x, dim=dims).double()
+    scratch = torch.sub(xq, x)
+    diff = torch.linalg.vector_norm(scratch, dim=dims).double()
     norm = torch.linalg.vector_norm(x, dim=dims).double()
+    if nonzero is None:
+        nonzero = exact_count(torch.sign(x, out=scratch).abs_(), dims)
+    kept = exact_count(torch.sign(xq, out=scratch).abs_(), dims)
     stats = {
         "err": torch.where(diff == 0, 0.0, diff / norm),
         # quantization maps 0 to 0, so the nonzeros lost are the ones flushed
-        "flushed": _fraction(nonzero - count_nonzero(xq), nonzero),
+        "flushed": _fraction(nonzero - kept, nonzero),
         "nan": _nan_count(xq, diff),
     }
+    if extras is not None:
+        extras.update(nonzero=nonzero, kept_mass=scratch.mul_(x).sum(-1))
     counts = counts or {}
     stats["clipped"] = _fraction(counts["clipped"], nonzero) if "clipped" in counts else torch.zeros_like(diff)
     blocks = counts.get("blocks")
@@ -223,19 +238,32 @@ def operand_stats(x: torch.Tensor, xq: torch.Tensor, counts: dict | None = None)
     return stats
 
 
-def product_stats(y: torch.Tensor, y_ref: torch.Tensor) -> dict[str, torch.Tensor]:
+def product_stats(y: torch.Tensor, y_ref: torch.Tensor, *, overwrite: bool = False) -> dict[str, torch.Tensor]:
     """``prod_err`` and ``prod_nan`` of product tiles y (..., rows, cols) against y_ref
-    (in y_ref's precision)."""
+    (in y_ref's precision). With `overwrite`, y_ref is used as scratch (no allocation)."""
     dims = (-2, -1)
-    diff = torch.linalg.vector_norm(y.to(y_ref.dtype) - y_ref, dim=dims).double()
     norm = torch.linalg.vector_norm(y_ref, dim=dims).double()
+    scratch = y_ref.sub_(y.to(y_ref.dtype)) if overwrite else y.to(y_ref.dtype) - y_ref
+    diff = torch.linalg.vector_norm(scratch, dim=dims).double()
     return {"prod_err": torch.where(diff == 0, 0.0, diff / norm), "prod_nan": _nan_count(y, diff)}
 
 
 def count_nonzero(x: torch.Tensor) -> torch.Tensor:
     """Nonzero elements of each tile (..., rows, cols), as |sign x| summed: float arithmetic
     is an order of magnitude faster than boolean masks on CPU (NaN tiles give NaN)."""
-    return x.sign().abs_().sum((-2, -1), dtype=torch.float64)
+    return exact_count(x.sign().abs_(), (-2, -1))
+
+
+def exact_count(ones: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Sum of 0/1 (or NaN) entries over `dims` as float64, summed in the entries' own float
+    dtype when that is exact (at most 2^24 terms in float32): a float64 sum of a float32
+    tensor would first copy it."""
+    terms = 1
+    for d in dims:
+        terms *= ones.shape[d]
+    if ones.dtype == torch.float64 or terms <= 1 << 24:
+        return ones.sum(dims).double()
+    return ones.sum(dims, dtype=torch.float64)
 
 
 def _nan_count(y: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:

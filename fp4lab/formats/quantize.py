@@ -216,7 +216,7 @@ def quantize_blocks(
 
 def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     """max |x| over the last dim (NaN propagates; +0 for all-zero and empty blocks).
-    (abs then amax is twice as fast on CPU as aminmax, and never gives -0.)"""
+    (abs then amax is faster on CPU than aminmax, and never gives -0.)"""
     if blocks.shape[-1] == 0 or blocks.numel() == 0:
         return blocks.new_zeros(blocks.shape[:-1])
     return blocks.abs().amax(dim=-1)
