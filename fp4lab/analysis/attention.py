@@ -696,6 +696,33 @@ def _whole_stats(x, quant: _Quantized, tiler) -> dict:
     return operand_stats(tiler(x), tiler(quant.values), counts)
 
 
+def _grams(x: torch.Tensor, x_hat: torch.Tensor, tiler) -> tuple:
+    """Per-tile Gram matrices of a whole-tensor operand in float64, flattened, for
+    `_gram_product_stats`: (X^T X, X^^T X, X^^T X^), each (..., tiles, E * E)."""
+    t, th = tiler(x).double(), tiler(x_hat).double()
+    gram = lambda a, b: (a.transpose(-1, -2) @ b).flatten(-2)  # noqa: E731
+    return gram(t, t), gram(th, t), gram(th, th)
+
+
+def _gram_product_stats(a: tuple, b: tuple, i0: int, i1: int, j0: int, j1: int, y: torch.Tensor) -> dict:
+    """``prod_err`` of every tile pair (i, j) of y^ = A^_i B^_j^T against y = A_i B_j^T
+    (S = Q K^T, dP = dO V^T), in float64 from the tiles' Gram matrices (`_grams` of the
+    query-side operand A and the key-side operand B), never forming y:
+    ||y||^2 = <A^T A, B^T B>, <y^, y> = <A^^T A, B^^T B>, ||y^||^2 = <A^^T A^, B^^T B^>,
+    ||y^ - y||^2 = ||y^||^2 - 2 <y^, y> + ||y||^2. This is the exact product of the
+    quantized operands against the exact product of the unquantized ones (the simulation's
+    own float32 rounding of y^, ~1e-7, is not in it), with float64 rounding: errors from
+    about 1e-7 up are resolved. y (..., n, g, r, c) is read only to count NaN."""
+    def inner(x, z):  # <x_i, z_j> for every pair: (B, Hkv, G, n, g)
+        return x[:, :, :, i0:i1] @ z[:, :, j0:j1].transpose(-1, -2)[:, :, None]
+
+    ref, cross, quant = (inner(x, z) for x, z in zip(a, b, strict=True))
+    err2 = (quant - 2 * cross + ref).clamp_(min=0)
+    err = torch.where(err2 == 0, 0.0, (err2 / ref).sqrt())
+    nan = torch.zeros_like(err) if bool(torch.isfinite(err).all()) else torch.isnan(y).sum((-2, -1)).double()
+    return {"prod_err": err, "prod_nan": nan}
+
+
 def _masked_product_stats(y, y_ref, keep, overwrite: bool = True) -> dict:
     """product_stats over the entries `keep` leaves (all when None); y_ref is scratch
     unless `overwrite` is False."""
@@ -737,6 +764,8 @@ def _forward(q, k, v, cfg: _Config, t: _Tiling, rec: TraceCall | None):
             "v": _whole_stats(vw, v_hat, t.k_tiles),
             "ref": tuple(x.to(rec.meta["reference_dtype"]) for x in (qw, kw, vw)),
         }
+        if not recipe.smooth_q:  # the scores are Q^ K^^T: their errors come from Gram matrices
+            stats["grams"] = (_grams(q_src, q_hat.values, t.q_tiles), _grams(kw, k_hat.values, t.k_tiles))
     ops = _Operands(t.q_tiles(q_hat.values), t.k_tiles(k_hat.values), mu, t.k_tiles(kw), stats)
     v_tiles = t.k_tiles(v_hat.values)
     mask = _mask_tiles(cfg, t)
@@ -798,7 +827,11 @@ class _Reference:
         s_ref = _pairs(self.q64, self.k64[:, :, j0:j1]).mul_(cfg.scale)
         keep = None if full else s > -math.inf  # entries the masks leave
         qk = {**prefix(_q_block(ops.stats["q"], i0, i1, like), "a"), **prefix(_k_block(ops.stats["k"], j0, j1, like), "b")}
-        self.rec.add(Product.QK, i0, j0, {**qk, **_masked_product_stats(s_raw, s_ref, keep, overwrite=False)}, visible)
+        if full and "grams" in ops.stats:
+            qk.update(_gram_product_stats(*ops.stats["grams"], i0, i1, j0, j1, s_raw))
+        else:
+            qk.update(_masked_product_stats(s_raw, s_ref, keep, overwrite=False))
+        self.rec.add(Product.QK, i0, j0, qk, visible)
         v64 = self.v64[:, :, j0:j1]
         p_extras = {}
         pv_stats = {**prefix(operand_stats(p, p_hat.values, p_hat.counts, extras=p_extras), "a"), **prefix(_k_block(ops.stats["v"], j0, j1, like), "b")}
@@ -869,6 +902,8 @@ def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, tracing: bo
     plain = {"do_dv": do, "do_dp": do, "v_dp": v, "k_dq": k, "q_dk": q}
     tiler = {"do_dv": t.q_tiles, "do_dp": t.q_tiles, "v_dp": t.k_tiles, "k_dq": t.k_tiles, "q_dk": t.q_tiles}
     stats = {name: _whole_stats(plain[name], quant[name], tiler[name]) for name in quant} if tracing else {}
+    if tracing:
+        stats["grams"] = (_grams(do, quant["do_dp"].values, t.q_tiles), _grams(v, quant["v_dp"].values, t.k_tiles))
     tiles = {name: tiler[name](quant[name].values) for name in quant}
     return _BackwardOperands(scores=scores, stats=stats, **tiles)
 
@@ -952,7 +987,8 @@ def _backward_stats(ops: _BackwardOperands, x: dict, s, full: bool, lse_c, t: _T
         Product.DV: (p_stats, _q_block(st["do_dv"], i0, i1, like),
                      product_stats(x["dv"], _t_times_query(p64, do64), overwrite=True), {"p_mass_lost": mass}),
         Product.DP: (_q_block(st["do_dp"], i0, i1, like), _k_block(st["v_dp"], j0, j1, like),
-                     _masked_product_stats(x["dp"], _pairs(do64, v64j), keep), {}),
+                     _gram_product_stats(*st["grams"], i0, i1, j0, j1, x["dp"]) if full
+                     else _masked_product_stats(x["dp"], _pairs(do64, v64j), keep), {}),
         Product.DQ: (dq_stats, _k_block(st["k_dq"], j0, j1, like),
                      product_stats(x["dq"], _times_key(ds64, k64j), overwrite=True), {}),
         Product.DK: (dk_stats, _q_block(st["q_dk"], i0, i1, like),
@@ -964,11 +1000,27 @@ def _backward_stats(ops: _BackwardOperands, x: dict, s, full: bool, lse_c, t: _T
 
 
 # -- the autograd Function ---------------------------------------------------------------------------
+def _settle_allocator(device: torch.device) -> None:
+    """Let the CPU's malloc recycle the blocks' temporaries instead of faulting in fresh pages.
+
+    glibc serves large requests with mmap and returns freed heap memory above its trim
+    threshold to the system; both thresholds rise when a large mapped chunk (up to 32 MiB)
+    is freed. A block's temporaries are a few MiB each and are freed and requested again
+    every block, so with glibc's starting thresholds each one is mapped and faulted in anew,
+    which costs as much as the arithmetic. Allocating and freeing one untouched 30 MiB buffer
+    raises the thresholds (to 30 and 60 MiB) so they are recycled. Tensors over 30 MiB
+    (plain attention's dense seq x seq matrices) are served as before; elsewhere than glibc
+    this is a harmless allocation."""
+    if device.type == "cpu":
+        torch.empty(30 << 20, dtype=torch.uint8)
+
+
 class _Attention(torch.autograd.Function):
     """Forward and backward of `attention` (inputs already transformed by `_transform_qk`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cfg: _Config):
+        _settle_allocator(q.device)
         t = _Tiling(
             B=q.shape[0], H=q.shape[1], Hk=k.shape[1], Sq=q.shape[2], Sk=k.shape[2],
             bm=cfg.block_m, bn=cfg.block_n, causal=cfg.causal,
@@ -982,6 +1034,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
+        _settle_allocator(do.device)
         q, k, v, o, lse, o_prime, *saved = ctx.saved_tensors
         dq, dk, dv = _backward(do, q, k, v, o, lse, o_prime, saved, ctx.cfg, ctx.tiling, ctx.rec)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
