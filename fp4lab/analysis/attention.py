@@ -49,7 +49,14 @@ from fp4lab.analysis.recipe import (
     RowSum,
     resolve_recipe,
 )
-from fp4lab.analysis.trace import Trace, TraceCall, exact_count, operand_stats, prefix, product_stats
+from fp4lab.analysis.trace import (
+    Trace,
+    TraceCall,
+    exact_count,
+    operand_stats,
+    prefix,
+    product_stats,
+)
 from fp4lab.formats import (
     FloatFormat,
     QuantSpec,
@@ -153,7 +160,7 @@ def attention(
 
     Cost: vectorised over batch, heads and query tiles (in chunks that bound memory), a
     Python loop over key tiles; memory grows with seq x block_n, never seq^2. A trace
-    roughly doubles or triples the time (its reference products run in float64 by default).
+    adds up to about as much again (see `Trace` on its reference precision).
 
     Raises:
         TypeError: q, k, v not floating-point tensors of one dtype; a recipe of a wrong type.
@@ -1044,7 +1051,7 @@ def _begin_trace(cfg: _Config, t: _Tiling, q, v) -> TraceCall | None:
     if cfg.trace is None:
         return None
     meta = {
-        "reference_dtype": cfg.trace.reference_dtype, "shape_q": tuple(q.shape), "Sk": t.Sk,
+        "reference_dtype": cfg.trace.reference_dtype or _work_dtype(q), "shape_q": tuple(q.shape), "Sk": t.Sk,
         "kv_heads": t.Hk, "v_dim": v.shape[-1], "dtype": str(q.dtype), "causal": cfg.causal,
         "scale": cfg.scale, "block_m": t.bm, "block_n": t.bn, "masked": cfg.attn_mask is not None,
         "seed": cfg.seed,  # None unless an int seed was given (a Generator may have advanced)

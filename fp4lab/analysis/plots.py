@@ -19,6 +19,7 @@ figure list is involved; pass ``ax=`` to draw into a figure of your own.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -98,8 +99,10 @@ def tile_heatmap(trace, column: str = "prod_err", *, product: str = "pv", batch:
         ax = Figure(figsize=(1.2 + 0.45 * grid.shape[1] + 1.5, 1.0 + 0.45 * grid.shape[0] + 0.8)).subplots()
     data = grid.where(grid > 0) if log else grid
     norm = norm or _norm(grid.to_numpy(), log)
-    sns.heatmap(data, ax=ax, norm=norm, cmap="viridis", annot=annot, fmt=".2g", cbar=cbar,
-                cbar_kws={"label": column}, square=True, linewidths=0.5, linecolor="white")
+    with warnings.catch_warnings():  # a blank panel (every tile 0 on a log scale) is a result
+        warnings.filterwarnings("ignore", "All-NaN slice", RuntimeWarning)
+        sns.heatmap(data, ax=ax, norm=norm, cmap="viridis", annot=annot, fmt=".2g", cbar=cbar,
+                    cbar_kws={"label": column}, square=True, linewidths=0.5, linecolor="white")
     ax.set_xlabel("key tile" if product != "out" else "")
     ax.set_ylabel("query tile")
     ax.set_title(f"{product}: {column} (batch {batch}, head {head})")

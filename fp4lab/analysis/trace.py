@@ -3,7 +3,7 @@
 Give `attention(..., trace=Trace())` and every call records, for each of the six products
 (`qk`, `pv` in the forward; `dv`, `dp`, `dq`, `dk` once `backward()` has run) and each
 (batch, head, query tile, key tile), how much its two operands lost to quantization and how
-far the product tile landed from the same product in float64 on unquantized operands, plus
+far the product tile landed from the same product on unquantized operands, plus
 per query tile how far the softmax denominator, log-sum-exp and output moved. Several calls
 (the layers of a model under `patch_sdpa`) are kept apart by a `call` index. Statistics are
 tensors while attention runs and a pandas DataFrame at the end (`Trace.to_frame`), never
@@ -30,8 +30,12 @@ nothing to count, and in tiles that hold NaN):
   flushed to zero, in units of the final softmax probability, averaged over the tile's
   query rows (the forward normalises by the recipe's own log-sum-exp).
 - ``prod_err``: ||y^ - y||_F / ||y||_F of the product tile y^ (quantized operands) against
-  y, the same product in `reference_dtype` on the unquantized operands of this product
-  (its local error; errors arriving from earlier products show in the ``out`` rows).
+  y, the same product on the unquantized operands of this product (its local error; errors
+  arriving from earlier products show in the ``out`` rows). For ``qk`` and ``dp``, whose
+  operands are whole tensors, it is computed in float64 from the tiles' Gram matrices
+  (exact products of the quantized against the unquantized operands, resolved from about
+  1e-7 up; tiles a mask cuts through are compared directly, as below). For ``pv``, ``dv``,
+  ``dq``, ``dk`` (and masked ``qk``, ``dp`` tiles) y is computed in `reference_dtype`.
 - ``prod_nan``: number of NaN elements of y^.
 
 Rows with ``product == "out"`` (``k_tile == -1``) hold the per-query-tile statistics of the
@@ -45,11 +49,19 @@ forward, over the tile's query rows that are not fully masked:
   `reference_dtype` on the unquantized inputs.
 - ``out_nan``: number of NaN elements of the output tile.
 
-Cost: the reference products are seven extra matrix products per tile pair in
-`reference_dtype`; in float64 on a CPU they dominate the trace's cost (about 2.5 float32
-products each), so `Trace(reference_dtype=torch.float32)` is the cheaper choice for large
-runs whose errors are far above float32's 1e-7. The trace only reads: attention's outputs
-and gradients are the same bits with and without it.
+Reference precision. `reference_dtype` defaults to the computation's working precision:
+float64 for float64 inputs, float32 otherwise. A float32 reference product on the same
+operands differs from the float64 one by a relative ~1e-7 (at most K u ||A|| ||B|| for an
+inner dimension K, u = 2^-24), so ``prod_err``, ``out_err`` and ``lse_err`` carry an
+absolute uncertainty of ~1e-7 to 1e-6, far below any FP8 or FP4 error (1e-3 to 1e-1);
+with unquantized operands the reference is the very same float32 arithmetic and the error
+is 0. Ask for ``Trace(reference_dtype=torch.float64)`` to resolve float32-level errors in a
+float32 run; it costs about 1.5x the time on a CPU (float64 matrix products run at a third
+of float32's speed there). See benchmarks/RESULTS.md for both.
+
+Cost: the reference adds four products per tile pair with small outputs (``pv``, ``dv``,
+``dq``, ``dk``) and the exact attention of the ``out`` rows; the trace only reads:
+attention's outputs and gradients are the same bits with and without it.
 
 Identifying columns: ``call``, ``recipe``, ``product``, ``a_name``, ``b_name`` (operand
 names: q, k, p, v, do, ds), ``batch``, ``head`` (query head), ``kv_head``, ``q_tile``,
@@ -78,13 +90,15 @@ class Trace:
 
     Args:
         reference_dtype: precision of the reference products and of the exact attention the
-            ``out`` rows compare with (float64 by default; float32 is cheaper and still far
-            below any FP8/FP4 error).
+            ``out`` rows compare with: torch.float32, torch.float64, or None (the default)
+            for the computation's working precision, float64 for float64 inputs and float32
+            otherwise (see the module's "Reference precision"). Each call's metadata records
+            the dtype it used.
     """
 
-    def __init__(self, *, reference_dtype: torch.dtype = torch.float64) -> None:
-        if reference_dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"reference_dtype must be torch.float32 or torch.float64, got {reference_dtype}")
+    def __init__(self, *, reference_dtype: torch.dtype | None = None) -> None:
+        if reference_dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(f"reference_dtype must be torch.float32, torch.float64 or None, got {reference_dtype}")
         self.reference_dtype = reference_dtype
         self.calls: list[TraceCall] = []
 

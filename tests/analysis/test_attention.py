@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -247,6 +248,31 @@ def test_chunking_of_query_tiles_does_not_change_quantized_results(monkeypatch, 
     close(out, out2, 1e-13)
     for a, b in zip(g, grads(out2, (q, k, v), do), strict=True):
         close(a, b, 1e-12)
+
+
+@pytest.mark.parametrize("budget", [16 * 32, 2 * 16 * 32, 3 * 16 * 32, 5 * 16 * 32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_tile_groups_give_the_online_softmax_values(monkeypatch, budget, causal):
+    # A block takes several key tiles at once through a cumulative row maximum; the P tiles
+    # quantization sees are exp(S - m_j) with the loop's m_j, so every block size quantizes
+    # the same values (nvfp4's per-tile scales would show any difference), and the trace's
+    # per-tile statistics agree too.
+    q, k, v = (x.requires_grad_() for x in qkv(1, 2, 1, 70, 150, 32, seed=5))
+    do = rand(1, 2, 70, 32, seed=6)
+    runs = []
+    for elements in (None, budget):
+        if elements is not None:
+            monkeypatch.setattr(attention_module, "_BLOCK_ELEMENTS", elements)
+        trace = Trace(reference_dtype=F64)
+        out = attention(q, k, v, "nvfp4", causal=causal, block_m=16, block_n=32, trace=trace)
+        runs.append((out, grads(out, (q, k, v), do), trace.to_frame()))
+    (out, g, frame), (out2, g2, frame2) = runs
+    close(out, out2, 1e-13)
+    for a, b in zip(g, g2, strict=True):
+        close(a, b, 1e-12)
+    assert frame[["product", "q_tile", "k_tile"]].equals(frame2[["product", "q_tile", "k_tile"]])
+    stats = frame.select_dtypes("number").to_numpy()
+    assert np.allclose(stats, frame2.select_dtypes("number").to_numpy(), rtol=1e-9, atol=1e-9, equal_nan=True)
 
 
 # -- every operand is fake_quantize of that operand ---------------------------------------------

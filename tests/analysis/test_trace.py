@@ -213,3 +213,32 @@ def test_float32_reference_agrees_with_float64_where_errors_are_large():
     tiles = a["product"] != "out"
     assert (a["prod_err"][tiles] - b["prod_err"][tiles]).abs().max() < 1e-5
     assert (a["prod_err"][tiles] > 1e-3).all()
+
+
+def test_reference_dtype_defaults_to_the_working_precision():
+    for dtype, expected in ((torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+        trace = Trace()
+        q, k, v = qkv(1, 1, 1, 8, 8, 32, dtype=dtype)
+        attention(q, k, v, "nvfp4", trace=trace)
+        assert trace.calls[0].meta["reference_dtype"] is expected
+    with pytest.raises(ValueError, match="reference_dtype"):
+        Trace(reference_dtype=torch.bfloat16)
+
+
+def test_gram_errors_of_qk_and_dp_equal_the_direct_comparison():
+    # Unmasked blocks take qk's and dp's prod_err from Gram matrices; an all-True boolean
+    # mask forces the direct comparison on the same values.
+    q, k, v = qkv(1, 2, 1, 64, 96, 32, seed=21)
+    do = rand(1, 2, 64, 32, seed=22)
+    frames = []
+    for mask in (None, torch.ones(64, 96, dtype=torch.bool)):
+        trace = Trace(reference_dtype=torch.float64)
+        q_, k_, v_ = (x.detach().float().requires_grad_() for x in (q, k, v))
+        attention(q_, k_, v_, "nvfp4", trace=trace, attn_mask=mask, block_m=32, block_n=32).backward(do.float())
+        frames.append(trace.to_frame())
+    gram, direct = frames
+    for product in ("qk", "dp"):
+        a, b = rows(gram, product)["prod_err"].to_numpy(), rows(direct, product)["prod_err"].to_numpy()
+        assert (b > 1e-2).all() and abs(a / b - 1).max() < 1e-5
+    for product in ("pv", "dv", "dq", "dk"):
+        assert rows(gram, product)["prod_err"].equals(rows(direct, product)["prod_err"])
