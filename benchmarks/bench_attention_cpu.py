@@ -1,10 +1,13 @@
 """The simulation path's attention on the CPU: time against plain torch, and peak memory.
 
 (a) Time. Batch 1, 4 heads, seq 2048, head_dim 64, float32, recipe "nvfp4" (NVFP4 on all
-    twelve operands of the six products) with the trace on, forward plus backward, against
-    plain float32 torch attention forward plus backward of the same shape in the same
-    process: S = Q K^T / sqrt(d), P = softmax(S) materialised, O = P V, autograd backward.
-    Median of interleaved rounds after a warm-up. Goal (issue 3): within 4x of plain torch.
+    twelve operands of the six products) with the trace on (`Trace()`, its reference in the
+    working precision, float32 here), forward plus backward, against plain float32 torch
+    attention forward plus backward of the same shape in the same process:
+    S = Q K^T / sqrt(d), P = softmax(S) materialised, O = P V, autograd backward. Also timed:
+    the trace with a float64 reference (`Trace(reference_dtype=torch.float64)`), no trace,
+    and the exact recipe. Median and minimum of interleaved rounds after a warm-up.
+    Goal (issue 3): the traced nvfp4 run within 4x of plain torch.
 (b) Memory. Seq 16384, 1 head, head_dim 64, float32, forward plus backward of the reference
     path. Measured as peak resident-set growth: each case runs in a fresh child process,
     which builds its inputs, warms up on a small call, reads its current RSS
@@ -46,10 +49,10 @@ def plain_step(q, k, v, do) -> None:
     (p @ v).backward(do)
 
 
-def fp4lab_step(q, k, v, do, recipe: str, traced: bool) -> None:
+def fp4lab_step(q, k, v, do, recipe: str, traced: bool, reference_dtype=None) -> None:
     """fp4lab's reference attention, forward + backward (trace frame built when traced)."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    trace = fp4lab.Trace() if traced else None
+    trace = fp4lab.Trace(reference_dtype=reference_dtype) if traced else None
     fp4lab.attention(q, k, v, recipe, trace=trace, backend="reference").backward(do)
     if trace is not None:
         trace.to_frame()
@@ -73,16 +76,19 @@ def time_case(repeats: int) -> None:
     q, k, v, do = inputs(heads=4, seq=2048)
     print("(a) time: batch 1, 4 heads, seq 2048, head_dim 64, float32, forward + backward; "
           f"{repeats} interleaved rounds")
-    steps = {"plain torch float32 (materialised softmax)": lambda: plain_step(q, k, v, do)}
-    for recipe, traced in (("nvfp4", True), ("nvfp4", False), ("exact", False)):
-        name = f"fp4lab {recipe}, trace {'on' if traced else 'off'}"
-        steps[name] = lambda r=recipe, t=traced: fp4lab_step(q, k, v, do, r, t)
+    steps = {
+        "plain torch float32 (materialised softmax)": lambda: plain_step(q, k, v, do),
+        "fp4lab nvfp4, trace on": lambda: fp4lab_step(q, k, v, do, "nvfp4", True),
+        "fp4lab nvfp4, trace on, float64 reference": lambda: fp4lab_step(q, k, v, do, "nvfp4", True, torch.float64),
+        "fp4lab nvfp4, trace off": lambda: fp4lab_step(q, k, v, do, "nvfp4", False),
+        "fp4lab exact, trace off": lambda: fp4lab_step(q, k, v, do, "exact", False),
+    }
     times = interleaved_seconds(steps, repeats)
     plain = next(iter(times.values()))
-    print(f"{'case':45s} {'median s':>9s} {'min s':>7s} {'x plain (median)':>17s} {'x plain (min)':>14s}")
+    print(f"{'case':48s} {'median s':>9s} {'min s':>7s} {'x plain (median)':>17s} {'x plain (min)':>14s}")
     for name, seconds in times.items():
         median, best = statistics.median(seconds), min(seconds)
-        print(f"{name:45s} {median:9.3f} {best:7.3f} {median / statistics.median(plain):16.1f}x {best / min(plain):13.1f}x")
+        print(f"{name:48s} {median:9.3f} {best:7.3f} {median / statistics.median(plain):16.1f}x {best / min(plain):13.1f}x")
     traced = times["fp4lab nvfp4, trace on"]
     met = statistics.median(traced) <= 4 * statistics.median(plain) and min(traced) <= 4 * min(plain)
     print(f"goal: nvfp4 with the trace within 4x of plain torch -> {'met' if met else 'NOT met'}")

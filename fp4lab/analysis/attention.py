@@ -72,6 +72,8 @@ __all__ = ["attention", "patch_sdpa", "quantize_operand"]
 # block_n): the work runs in blocks of at most this size (memory ~ 20x this in floats).
 _BLOCK_ELEMENTS = 1 << 20
 _LOG2E = math.log2(math.e)
+# malloc thresholds `_settle_allocator` sets (bytes): above every block temporary
+_SETTLE_BYTES = 30 << 20
 # Relative slack when judging a block scale out of its format's range: NVFP4's tensor scale
 # maps the tensor amax to exactly 448 up to float32 rounding, which is not an overflow.
 _SLACK = 2.0**-20
@@ -776,8 +778,17 @@ def _forward(q, k, v, cfg: _Config, t: _Tiling, rec: TraceCall | None):
     ops = _Operands(t.q_tiles(q_hat.values), t.k_tiles(k_hat.values), mu, t.k_tiles(kw), stats)
     v_tiles = t.k_tiles(v_hat.values)
     mask = _mask_tiles(cfg, t)
-    pieces = [_forward_chunk(ops, v_tiles, cfg, t, mask, i0, i1, groups, rec) for i0, i1, groups in t.blocks()]
-    o, lse, o_prime = (torch.cat(x, dim=3) if x[0] is not None else None for x in zip(*pieces, strict=True))
+    # outputs are written into tensors allocated up front: chunk results kept alive in a list
+    # would pin malloc's heap above each block's temporaries and make it creep
+    o = torch.empty(t.B, t.Hk, t.G, t.nQ, t.bm, v.shape[-1], dtype=work, device=q.device)
+    lse = torch.empty(t.B, t.Hk, t.G, t.nQ, t.bm, dtype=work, device=q.device)
+    o_prime = torch.empty_like(o) if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else None
+    for i0, i1, groups in t.blocks():
+        pieces = _forward_chunk(ops, v_tiles, cfg, t, mask, i0, i1, groups, rec)
+        for whole, piece in zip((o, lse, o_prime), pieces, strict=True):
+            if whole is not None:
+                whole[:, :, :, i0:i1] = piece
+        del pieces
     saved = (q_hat.values, k_hat.values, v_hat.values, mu)
     return t.q_untile(o), lse, (t.q_untile(o_prime) if o_prime is not None else None), saved
 
@@ -937,8 +948,9 @@ def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: _Config, t: _Tiling, rec
     dk = torch.zeros(t.B, t.Hk, t.nK, t.bn, q.shape[-1], dtype=work, device=q.device)
     dv = torch.zeros(t.B, t.Hk, t.nK, t.bn, v.shape[-1], dtype=work, device=q.device)
     mask = _mask_tiles(cfg, t)
-    dq = [_backward_chunk(ops, cfg, t, mask, i0, i1, groups, lse, delta, dk, dv, rec) for i0, i1, groups in t.blocks()]
-    dq = torch.cat(dq, dim=3) if dq else torch.zeros_like(t.q_tiles(qw))
+    dq = torch.zeros(t.B, t.Hk, t.G, t.nQ, t.bm, q.shape[-1], dtype=work, device=q.device)
+    for i0, i1, groups in t.blocks():
+        dq[:, :, :, i0:i1] = _backward_chunk(ops, cfg, t, mask, i0, i1, groups, lse, delta, dk, dv, rec)
     return t.q_untile(dq), t.k_untile(dk), t.k_untile(dv)
 
 
@@ -1014,12 +1026,13 @@ def _settle_allocator(device: torch.device) -> None:
     threshold to the system; both thresholds rise when a large mapped chunk (up to 32 MiB)
     is freed. A block's temporaries are a few MiB each and are freed and requested again
     every block, so with glibc's starting thresholds each one is mapped and faulted in anew,
-    which costs as much as the arithmetic. Allocating and freeing one untouched 30 MiB buffer
-    raises the thresholds (to 30 and 60 MiB) so they are recycled. Tensors over 30 MiB
-    (plain attention's dense seq x seq matrices) are served as before; elsewhere than glibc
-    this is a harmless allocation."""
+    which costs as much as the arithmetic. Allocating and freeing one untouched buffer a
+    little larger than a float64 block tensor raises the thresholds (to its size and twice
+    that: 9 and 18 MiB) so they are recycled. Larger tensors (plain attention's dense
+    seq x seq matrices) are served as before; elsewhere than glibc this is a harmless
+    allocation."""
     if device.type == "cpu":
-        torch.empty(30 << 20, dtype=torch.uint8)
+        torch.empty(_SETTLE_BYTES, dtype=torch.uint8)
 
 
 class _Attention(torch.autograd.Function):
