@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ from fp4lab.analysis.trace import (
 from fp4lab.formats import (
     FloatFormat,
     QuantSpec,
+    Rounding,
     as_generator,
     hadamard_matrix,
     quantize_blocks,
@@ -127,8 +129,12 @@ def attention(
         trace: a `Trace` that records per-tile statistics of this call: the forward's now,
             the backward's when backward() runs.
         generator: torch.Generator or int seed for stochastic rounding, required when the
-            recipe rounds stochastically and recorded in the trace; the backward draws from
-            it after the forward, so one seed reproduces forward and backward bit for bit.
+            recipe rounds stochastically and recorded in the trace. The forward draws one key
+            from it and the backward another after it, so one seed reproduces forward and
+            backward bit for bit; every tile of every operand then rounds with its own
+            stream, seeded by (key, operand, batch, head, query tile, key tile), so an
+            element's draw depends on its position only, not on the batch size, the number
+            of heads or how fp4lab chunks the work.
         block_m, block_n: query and key tile sizes, FlashAttention's Br and Bc (positive;
             multiples of the blocks P and dS are quantized in along them). Tiles need not
             divide Sq and Sk.
@@ -380,6 +386,7 @@ def quantize_operand(
     per_tile: bool = False,
     prescale: float = 1.0,
     flags: bool = False,
+    noise: torch.Tensor | None = None,
 ) -> _Quantized:
     """Quantize one operand as attention does: `fake_quantize(x * prescale, spec) / prescale`.
 
@@ -387,7 +394,9 @@ def quantize_operand(
     x as it is; 2-D tiles lie on x's last two dims as they are (axis ignored). With
     `per_tile`, x is a batch of tiles (its last two dims) and a per-tensor scale (a spec with
     `block=None` or `tensor_scale=True`) is taken per tile, as a fused kernel must; otherwise
-    over the whole of x. The arithmetic is fp4lab.formats' quantize pipeline, step for step.
+    over the whole of x. Stochastic rounding draws from `generator`, or uses `noise`
+    (uniforms of x's shape) when given. The arithmetic is fp4lab.formats' quantize
+    pipeline, step for step.
     """
     if spec is None:
         return _Quantized(x, None)
@@ -399,22 +408,93 @@ def quantize_operand(
             clipped = xs.abs() > spec.max
             found = {"clipped": clipped.sum((-2, -1)) if per_tile else clipped}
     else:
-        values, found = _block_quantize(xs, spec, axis, generator, per_tile, flags)
+        values, found = _block_quantize(xs, spec, axis, generator, per_tile, flags, noise)
     if prescale != 1.0:
         values = values / prescale
     return _Quantized(values, found)
 
 
-def _quantize_field(x, recipe: AttentionRecipe, field: str, generator, flags: bool) -> _Quantized:
-    """Operand `field` of `recipe`, along its product's reduction axis (`_LAYOUT`)."""
+def _quantize_field(x, recipe: AttentionRecipe, field: str, draws, flags: bool, at=None) -> _Quantized:
+    """Operand `field` of `recipe`, along its product's reduction axis (`_LAYOUT`); a
+    stochastic spec rounds with `draws` (a `_Draws`) at the operand's position: a tile
+    tensor's first (query tile, key tile) `at`, or a whole tensor."""
+    spec = getattr(recipe, field)
     prescale = getattr(recipe, _TILE_FIELDS[field]) if field in _TILE_FIELDS else 1.0
     return quantize_operand(
-        x, getattr(recipe, field), axis=_LAYOUT[field][0], generator=generator,
-        per_tile=field in _TILE_FIELDS, prescale=prescale, flags=flags,
+        x, spec, axis=_LAYOUT[field][0], per_tile=field in _TILE_FIELDS, prescale=prescale,
+        flags=flags, noise=draws.for_operand(field, x, at) if _stochastic(spec) else None,
     )
 
 
-def _block_quantize(x, spec: QuantSpec, axis: int, generator, per_tile: bool, want_flags: bool):
+def _stochastic(spec) -> bool:
+    return isinstance(spec, QuantSpec) and spec.rounding is Rounding.STOCHASTIC
+
+
+_MASK64 = (1 << 64) - 1
+_QUERY_SIDE = {"q", "dv_do", "dp_do", "dk_q"}  # whole-tensor operands tiled like the queries
+# Each operand's id in the noise seeds (append only: changing one changes every draw).
+_FIELD_IDS = {
+    name: i for i, name in enumerate(
+        ("q", "k", "v", "p", "dv_p", "dv_do", "dp_do", "dp_v", "dq_ds", "dq_k", "dk_ds", "dk_q")
+    )
+}
+
+
+def _mix(*values: int) -> int:
+    """A 64-bit hash of a sequence of ints (splitmix64's finalizer, chained): the same on
+    every machine and Python version."""
+    h = 0
+    for v in values:
+        h = (h ^ (v & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 31
+    return h
+
+
+class _Draws:
+    """Stochastic rounding's uniforms, keyed by position.
+
+    One key of 62 bits is drawn from the call's generator (the forward draws one, the
+    backward another after it). Every tile of every operand then has its own stream, a
+    torch.Generator seeded with a hash of (key, operand, batch, query head or KV head,
+    query tile, key tile): a whole-tensor operand's tiles are its block_m (query side) or
+    block_n (key side) rows of one (batch, head). So an element's draw depends on the seed,
+    the operand and its position alone: not on how fp4lab chunks the work, nor on the batch
+    size or the number of heads of the call. Draws are float64 uniforms with 53 random bits
+    (torch.rand's), made on the CPU and moved to the operand's device, so every device
+    rounds alike."""
+
+    def __init__(self, generator: torch.Generator, t: _Tiling):
+        device = generator.device
+        self.key = int(torch.randint(0, 1 << 62, (1,), generator=generator, device=device).item())
+        self.rows = {"query": t.bm, "key": t.bn}  # a whole-tensor tile's rows, by side
+        self._stream = torch.Generator()
+
+    def _uniforms(self, *position: int, shape) -> torch.Tensor:
+        self._stream.manual_seed(_mix(self.key, *position))
+        return torch.rand(shape, generator=self._stream, dtype=torch.float64)
+
+    def for_operand(self, field: str, x: torch.Tensor, at) -> torch.Tensor:
+        """Uniforms of x's shape: x a block of tiles (B, Hkv, G, n, g, r, c) whose first
+        tile is (query tile, key tile) `at`, or, when `at` is None, a whole tensor
+        (B, heads, seq, E) taken in tiles of block_m (query side) or block_n rows."""
+        fid = _FIELD_IDS[field]
+        out = torch.empty(x.shape, dtype=torch.float64)
+        if at is not None:
+            i0, j0 = at
+            b_, hk_, g_, n_, m_ = x.shape[:5]
+            for b, hk, g, i, j in itertools.product(range(b_), range(hk_), range(g_), range(n_), range(m_)):
+                out[b, hk, g, i, j] = self._uniforms(fid, b, hk * g_ + g, i0 + i, j0 + j, shape=x.shape[-2:])
+        else:
+            rows = self.rows["query" if field in _QUERY_SIDE else "key"]
+            for b, h, i in itertools.product(range(x.shape[0]), range(x.shape[1]), range(-(-x.shape[2] // rows))):
+                part = out[b, h, i * rows : (i + 1) * rows]
+                part.copy_(self._uniforms(fid, b, h, i, shape=(rows, x.shape[3]))[: part.shape[0]])
+        return out.to(x.device)
+
+
+def _block_quantize(x, spec: QuantSpec, axis: int, generator, per_tile: bool, want_flags: bool, noise=None):
     """fp4lab.formats' quantize pipeline and its dequantization (`quantize_blocks`), with the
     second-level scale taken over the whole of x or, with per_tile, over each tile (the last
     two dims: batch_dims = x.ndim - 2)."""
@@ -426,7 +506,7 @@ def _block_quantize(x, spec: QuantSpec, axis: int, generator, per_tile: bool, wa
         # one scale per tile: a 2-D block covering the tile (then the flags' sums below hold)
         spec, axis = dataclasses.replace(spec, block=tuple(x.shape[-2:])), -1
     batch_dims = x.ndim - 2 if per_tile and spec.tensor_scale else 0
-    b = quantize_blocks(x, spec, axis=axis, generator=generator, batch_dims=batch_dims)
+    b = quantize_blocks(x, spec, axis=axis, generator=generator, batch_dims=batch_dims, noise=noise)
     found = _flags(b.scaled, b.amax, b.decode, spec, b.layout, per_tile) if want_flags else None
     return b.dequantize(x.dtype), found
 
@@ -556,15 +636,17 @@ class _MaskTiles:
 
 
 # -- P quantization ------------------------------------------------------------------------------
-def _quantize_p(p, s, m_row, recipe: AttentionRecipe, gen, flags: bool) -> _Quantized:
-    """P^ from P = exp(S - m_row) as `recipe.p_quant` says (tiles: (..., bm, bn))."""
+def _quantize_p(p, s, m_row, recipe: AttentionRecipe, draws, flags: bool, at) -> _Quantized:
+    """P^ from P = exp(S - m_row) as `recipe.p_quant` says (a block of tiles (..., bm, bn)
+    whose first tile is `at`)."""
     if recipe.p_quant is PQuant.SPEC:
-        return _quantize_field(p, recipe, "p", gen, flags)
+        return _quantize_field(p, recipe, "p", draws, flags, at)
     if recipe.p_quant is PQuant.ROW_SCALED:  # SageAttention3: rows' max mapped to M_e * M_s
         top = recipe.p.element.max * recipe.p.scale.max
         rowmax = p.amax(dim=-1, keepdim=True)
         r = torch.where(rowmax > 0, top / rowmax, torch.ones_like(rowmax))
-        out = quantize_operand(p * r, recipe.p, axis=-1, generator=gen, per_tile=True, flags=flags)
+        noise = draws.for_operand("p", p, at) if _stochastic(recipe.p) else None
+        out = quantize_operand(p * r, recipe.p, axis=-1, per_tile=True, flags=flags, noise=noise)
         return _Quantized(out.values / r, out.counts)
     return _direct_p(s, m_row, recipe, flags)
 
@@ -763,8 +845,9 @@ def _forward(q, k, v, cfg: _Config, t: _Tiling, rec: TraceCall | None):
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     q_src, mu = _smooth_q(qw, t) if recipe.smooth_q else (qw, None)
     tracing = rec is not None
+    draws = _Draws(cfg.generator, t) if recipe.stochastic else None
     q_hat, k_hat, v_hat = (
-        _quantize_field(x, recipe, field, cfg.generator, tracing) for x, field in ((q_src, "q"), (kw, "k"), (vw, "v"))
+        _quantize_field(x, recipe, field, draws, tracing) for x, field in ((q_src, "q"), (kw, "k"), (vw, "v"))
     )
     stats = {}
     if tracing:
@@ -784,7 +867,7 @@ def _forward(q, k, v, cfg: _Config, t: _Tiling, rec: TraceCall | None):
     lse = torch.empty(t.B, t.Hk, t.G, t.nQ, t.bm, dtype=work, device=q.device)
     o_prime = torch.empty_like(o) if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else None
     for i0, i1, groups in t.blocks():
-        pieces = _forward_chunk(ops, v_tiles, cfg, t, mask, i0, i1, groups, rec)
+        pieces = _forward_chunk(ops, v_tiles, cfg, t, mask, i0, i1, groups, draws, rec)
         for whole, piece in zip((o, lse, o_prime), pieces, strict=True):
             if whole is not None:
                 whole[:, :, :, i0:i1] = piece
@@ -793,7 +876,7 @@ def _forward(q, k, v, cfg: _Config, t: _Tiling, rec: TraceCall | None):
     return t.q_untile(o), lse, (t.q_untile(o_prime) if o_prime is not None else None), saved
 
 
-def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: int, groups, rec):
+def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: int, groups, draws, rec):
     """Query tiles [i0, i1) against the key tiles they see, a group of key tiles at a time."""
     recipe, q = cfg.recipe, ops.q
     run = _Running((t.B, t.Hk, t.G, i1 - i0, t.bm), v_tiles.shape[-1], q.dtype, q.device)
@@ -801,7 +884,7 @@ def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: in
     for j0, j1 in groups:
         s_raw, s, full = _scores(ops, cfg, t, mask, i0, i1, j0, j1)
         p, m_use, weights = run.step(s)
-        p_hat = _quantize_p(p, s, m_use, recipe, cfg.generator, flags=rec is not None)
+        p_hat = _quantize_p(p, s, m_use, recipe, draws, rec is not None, (i0, j0))
         v_j = v_tiles[:, :, j0:j1]
         pv = _times_key(p_hat.values, v_j)  # (B, Hkv, G, n, g, bm, Dv)
         consumed, plain = p_hat.values.sum(-1), p.sum(-1)
@@ -898,9 +981,9 @@ class _BackwardOperands:
     stats: dict
 
 
-def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, tracing: bool) -> _BackwardOperands:
+def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, draws, tracing: bool) -> _BackwardOperands:
     """Quantize the backward's whole-tensor operands as `recipe.backward` says."""
-    recipe, gen = cfg.recipe, cfg.generator
+    recipe = cfg.recipe
     q_hat, k_hat, v_hat, mu = saved
     if recipe.backward_p is BackwardP.QUANTIZED_QK:
         scores = _Operands(t.q_tiles(q_hat), t.k_tiles(k_hat), mu, t.k_tiles(k), {})
@@ -908,14 +991,14 @@ def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, tracing: bo
         scores = _Operands(t.q_tiles(q), t.k_tiles(k), None, t.k_tiles(k), {})
     if recipe.backward is BackwardMode.FLASH:
         sources = {"do_dv": (do, "dv_do"), "do_dp": (do, "dp_do"), "v_dp": (v, "dp_v"), "k_dq": (k, "dq_k"), "q_dk": (q, "dk_q")}
-        quant = {name: _quantize_field(x, recipe, field, gen, tracing) for name, (x, field) in sources.items()}
+        quant = {name: _quantize_field(x, recipe, field, draws, tracing) for name, (x, field) in sources.items()}
     else:  # straight through: the forward's Q^ (with its mean added back), K^, V^
         q_eff = q_hat if mu is None else q_hat + t.q_untile(mu.expand(*mu.shape[:4], t.bm, mu.shape[-1]))
         quant = {
             "do_dv": _Quantized(do), "do_dp": _Quantized(do),
-            "v_dp": _forward_flags(v, v_hat, recipe, "v", tracing),
-            "k_dq": _forward_flags(k, k_hat, recipe, "k", tracing),
-            "q_dk": _forward_flags(q, q_eff, recipe, "q", tracing),
+            "v_dp": _forward_flags(v, v_hat, recipe, "v", t, tracing),
+            "k_dq": _forward_flags(k, k_hat, recipe, "k", t, tracing),
+            "q_dk": _forward_flags(q, q_eff, recipe, "q", t, tracing),
         }
     plain = {"do_dv": do, "do_dp": do, "v_dp": v, "k_dq": k, "q_dk": q}
     tiler = {"do_dv": t.q_tiles, "do_dp": t.q_tiles, "v_dp": t.k_tiles, "k_dq": t.k_tiles, "q_dk": t.q_tiles}
@@ -926,11 +1009,14 @@ def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, tracing: bo
     return _BackwardOperands(scores=scores, stats=stats, **tiles)
 
 
-def _forward_flags(x, x_hat, recipe: AttentionRecipe, field: str, tracing: bool) -> _Quantized:
+def _forward_flags(x, x_hat, recipe: AttentionRecipe, field: str, t: _Tiling, tracing: bool) -> _Quantized:
     """The forward's quantized operand, with its trace counts recomputed. The counts depend
     on the block scales and the scaled elements before rounding only, never on stochastic
-    rounding's draws, so a throwaway generator gives the forward's counts."""
-    counts = _quantize_field(x, recipe, field, torch.Generator().manual_seed(0), True).counts if tracing else None
+    rounding's draws, so throwaway draws give the forward's counts."""
+    if not tracing:
+        return _Quantized(x_hat)
+    draws = _Draws(torch.Generator().manual_seed(0), t) if recipe.stochastic else None
+    counts = _quantize_field(x, recipe, field, draws, True).counts
     return _Quantized(x_hat, counts)
 
 
@@ -941,7 +1027,8 @@ def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: _Config, t: _Tiling, rec
     # DeltaSource.OUTPUT: the output as returned, in the inputs' dtype (a kernel stores O so)
     o_src = o_prime if cfg.recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else o.to(q.dtype).to(work)
     delta = t.q_tiles((dow * o_src).sum(-1))  # D_i = rowsum(dO_i * O_i), (B, Hkv, G, nQ, bm)
-    ops = _backward_operands(dow, qw, kw, vw, saved, cfg, t, rec is not None)
+    draws = _Draws(cfg.generator, t) if cfg.recipe.stochastic else None  # after the forward's
+    ops = _backward_operands(dow, qw, kw, vw, saved, cfg, t, draws, rec is not None)
     if rec is not None:
         ref = rec.meta["reference_dtype"]
         ops.stats["ref"] = (t.q_tiles(qw.to(ref)), t.k_tiles(kw.to(ref)), t.k_tiles(vw.to(ref)), t.q_tiles(dow.to(ref)))
@@ -950,13 +1037,15 @@ def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: _Config, t: _Tiling, rec
     mask = _mask_tiles(cfg, t)
     dq = torch.zeros(t.B, t.Hk, t.G, t.nQ, t.bm, q.shape[-1], dtype=work, device=q.device)
     for i0, i1, groups in t.blocks():
-        dq[:, :, :, i0:i1] = _backward_chunk(ops, cfg, t, mask, i0, i1, groups, lse, delta, dk, dv, rec)
+        dq[:, :, :, i0:i1] = _backward_chunk(ops, cfg, t, mask, (i0, i1, groups), lse, delta, (dk, dv), draws, rec)
     return t.q_untile(dq), t.k_untile(dk), t.k_untile(dv)
 
 
-def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, i1, groups, lse, delta, dk, dv, rec):
-    """Query tiles [i0, i1) against the key tiles they see; accumulates dK, dV, returns dQ."""
-    recipe, gen, tracing = cfg.recipe, cfg.generator, rec is not None
+def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, chunk, lse, delta, grads, draws, rec):
+    """Query tiles [i0, i1) of `chunk` (i0, i1, key-tile groups) against the key tiles they
+    see; accumulates `grads` (dK, dV), returns dQ."""
+    (i0, i1, groups), (dk, dv) = chunk, grads
+    recipe, tracing = cfg.recipe, rec is not None
     dq = torch.zeros(t.B, t.Hk, t.G, i1 - i0, t.bm, ops.k_dq.shape[-1], dtype=dk.dtype, device=dk.device)
     lse_c = lse[:, :, :, i0:i1].unsqueeze(-2)  # (B, Hkv, G, n, 1, bm)
     delta_c = delta[:, :, :, i0:i1, None, :, None]  # (B, Hkv, G, n, 1, bm, 1)
@@ -964,17 +1053,17 @@ def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, i0, 
         _, s, full = _scores(ops.scores, cfg, t, mask, i0, i1, j0, j1)
         p = (s - lse_c.unsqueeze(-1)).exp_()  # P rebuilt from the forward's lse
         if recipe.backward is BackwardMode.STRAIGHT_THROUGH:
-            p_dv = _quantize_p(p, s, lse_c.expand(s.shape[:-1]), recipe, gen, tracing)
+            p_dv = _quantize_p(p, s, lse_c.expand(s.shape[:-1]), recipe, draws, tracing, (i0, j0))
         else:
-            p_dv = _quantize_field(p, recipe, "dv_p", gen, tracing)
+            p_dv = _quantize_field(p, recipe, "dv_p", draws, tracing, (i0, j0))
         dv_tiles = _t_times_query(p_dv.values, ops.do_dv[:, :, :, i0:i1])  # P_ij^T dO_i
         dv[:, :, j0:j1] += dv_tiles.sum((2, 3))
         dp = _pairs(ops.do_dp[:, :, :, i0:i1], ops.v_dp[:, :, j0:j1])
         ds = torch.sub(dp, delta_c).mul_(p)  # dS = P * (dP - D)
-        ds_q = _quantize_field(ds, recipe, "dq_ds", gen, tracing)
+        ds_q = _quantize_field(ds, recipe, "dq_ds", draws, tracing, (i0, j0))
         dq_tiles = _times_key(ds_q.values, ops.k_dq[:, :, j0:j1])  # dS_ij K_j
         dq += cfg.scale * dq_tiles.sum(4)
-        ds_k = _quantize_field(ds, recipe, "dk_ds", gen, tracing)
+        ds_k = _quantize_field(ds, recipe, "dk_ds", draws, tracing, (i0, j0))
         dk_tiles = _t_times_query(ds_k.values, ops.q_dk[:, :, :, i0:i1])  # dS_ij^T Q_i
         dk[:, :, j0:j1] += cfg.scale * dk_tiles.sum((2, 3))
         if tracing:

@@ -120,6 +120,7 @@ def quantize(
     rounding: Rounding | str | None = None,
     generator: torch.Generator | int | None = None,
     batch_dims: int = 0,
+    noise: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Block-quantize x with `spec` (a QuantSpec or a registered name).
 
@@ -135,9 +136,15 @@ def quantize(
             amax, the second-level scale and a per-tensor spec's one scale are taken for each
             of them (e.g. each (block_m, block_n) tile of a batch of attention tiles, as a
             fused kernel sees them). Blocks never span them; axis must not be one of them.
+        noise: uniforms in [0, 1) of x's shape for stochastic rounding, used instead of
+            drawing from `generator` (so that the caller decides which element gets which
+            draw, e.g. by position); element i of x (of the rotated x, with a Hadamard
+            transform) is rounded with noise[i].
     """
     spec = resolve_spec(spec)
-    blocked = quantize_blocks(x, spec, axis=axis, rounding=rounding, generator=generator, batch_dims=batch_dims)
+    blocked = quantize_blocks(
+        x, spec, axis=axis, rounding=rounding, generator=generator, batch_dims=batch_dims, noise=noise
+    )
     layout = blocked.layout
     codes = layout.from_blocks(spec.element.encode(blocked.values))
     tensor_scale = None if blocked.decode is None else layout.tensor_scale_out(blocked.decode)
@@ -191,6 +198,7 @@ def quantize_blocks(
     rounding: Rounding | str | None = None,
     generator: torch.Generator | int | None = None,
     batch_dims: int = 0,
+    noise: torch.Tensor | None = None,
 ) -> BlockQuantized:
     """Steps 1-5 of the pipeline, keeping what instrumentation needs (block amax, scaled
     elements, scales). Arguments as `quantize`; ``.dequantize(dtype)`` is fake_quantize."""
@@ -207,9 +215,14 @@ def quantize_blocks(
     amax = _block_amax(blocks).float()
     decode, encode = _tensor_scales(amax, spec, batch_dims)
     scales, scaled = _scale(blocks, amax, decode, encode, spec)
+    if noise is not None:
+        if not isinstance(noise, torch.Tensor) or noise.shape != x.shape:
+            shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
+            raise ValueError(f"noise must be a tensor of x's shape {tuple(x.shape)}, got {shape}")
+        noise = layout.to_blocks(noise.to(device=x.device, dtype=torch.float64))
     values = round_to_format(
         scaled, spec.element, rounding=rounding, saturate=True, generator=generator,
-        sr_bits=spec.sr_bits,
+        sr_bits=spec.sr_bits, noise=noise,
     )
     return BlockQuantized(layout, amax, scaled, values, scales, decode)
 
@@ -227,20 +240,22 @@ def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.max_pool1d(rows, blocks.shape[-1]).view(blocks.shape[:-1])
 
 
-def _fake_quantize(x, spec: QuantSpec, axis, rounding, generator, batch_dims) -> torch.Tensor:
+def _fake_quantize(x, spec: QuantSpec, axis, rounding, generator, batch_dims, noise=None) -> torch.Tensor:
     """quantize(...).dequantize(x.dtype) without building codes: the same float32 products."""
-    blocked = quantize_blocks(x, spec, axis=axis, rounding=rounding, generator=generator, batch_dims=batch_dims)
+    blocked = quantize_blocks(
+        x, spec, axis=axis, rounding=rounding, generator=generator, batch_dims=batch_dims, noise=noise
+    )
     return blocked.dequantize(x.dtype)
 
 
 class _FakeQuantize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, spec, axis, rounding, generator, batch_dims):
-        return _fake_quantize(x, spec, axis, rounding, generator, batch_dims)
+    def forward(ctx, x, spec, axis, rounding, generator, batch_dims, noise):
+        return _fake_quantize(x, spec, axis, rounding, generator, batch_dims, noise)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def fake_quantize(
@@ -251,10 +266,11 @@ def fake_quantize(
     rounding: Rounding | str | None = None,
     generator: torch.Generator | int | None = None,
     batch_dims: int = 0,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """quantize then dequantize to x's dtype (the same bits as ``quantize(...).dequantize``);
     the gradient passes straight through. Arguments as `quantize`."""
-    return _FakeQuantize.apply(x, resolve_spec(spec), axis, rounding, generator, batch_dims)
+    return _FakeQuantize.apply(x, resolve_spec(spec), axis, rounding, generator, batch_dims, noise)
 
 
 # -- scale arithmetic ---------------------------------------------------------------------------

@@ -395,7 +395,7 @@ def test_sageattn3_two_level_p_maps_each_row_max_to_448_times_6():
     s = rand(1, 1, 1, 16, 64, seed=45, scale=3.0)
     m = s.amax(-1)
     p = torch.exp(s - m.unsqueeze(-1)) * 0.37  # a tile whose rows do not reach 1
-    p_hat = _quantize_p(p, s, m, recipe, None, flags=False).values
+    p_hat = _quantize_p(p, s, m, recipe, None, False, (0, 0)).values
     close(p_hat.amax(-1), p.amax(-1), 1e-15)  # 448 * 6 is E4M3 448 x E2M1 6: exact
     r = 448 * 6 / p.amax(-1, keepdim=True)
     close(p_hat, fq(p * r, get("nvfp4_1level"), -1) / r, 1e-15)

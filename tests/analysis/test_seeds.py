@@ -80,3 +80,44 @@ def test_delta_comes_from_the_returned_bf16_output():
     ds = p * (dof @ vf.transpose(-1, -2) - delta)
     dq = (ds @ kf) / 32**0.5
     assert torch.equal(qq.grad, dq.bfloat16())
+
+
+# -- stochastic rounding's draws are keyed by position -------------------------------------------
+MX_SR = dataclasses.replace(formats.get("mxfp4"), name="mxfp4_sr", rounding="stochastic")
+# Every operand of every product rounds stochastically; MX blocks have no tensor scale, so a
+# (batch, head)'s values do not depend on the other heads.
+ALL_SR = AttentionRecipe(name="all_mxfp4_sr", **{f: MX_SR for f in (
+    "q", "k", "v", "p", "dv_p", "dv_do", "dp_do", "dp_v", "dq_ds", "dq_k", "dk_ds", "dk_q")})
+
+
+def sr_run(q, k, v, do, seed=7, **kw):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = attention(q, k, v, ALL_SR, generator=seed, block_m=32, block_n=32, **kw)
+    out.backward(do)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def test_draws_do_not_depend_on_how_the_work_is_chunked(monkeypatch):
+    import sys
+
+    q, k, v, do = qkv(3, (1, 2, 130, 32))
+    base = sr_run(q, k, v, do, causal=True)
+    for elements in (32 * 32 * 2, 32 * 32 * 2 * 3):  # one tile pair, three, per block
+        monkeypatch.setattr(sys.modules["fp4lab.analysis.attention"], "_BLOCK_ELEMENTS", elements)
+        for a, b in zip(base, sr_run(q, k, v, do, causal=True), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_batch_and_heads_draw_what_each_draws_alone():
+    q, k, v, do = qkv(4, (2, 3, 40, 32))
+    both = sr_run(q, k, v, do)
+    first = sr_run(*(x[:1, :1] for x in (q, k, v, do)))  # batch 0, head 0 alone
+    for a, b in zip(both, first, strict=True):
+        torch.testing.assert_close(a[:1, :1], b, rtol=1e-6, atol=1e-6)
+
+
+def test_the_seed_decides_the_draws():
+    q, k, v, do = qkv(5, (1, 2, 40, 32))
+    a, b, c = sr_run(q, k, v, do, seed=1), sr_run(q, k, v, do, seed=1), sr_run(q, k, v, do, seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not any(torch.equal(x, y) for x, y in zip(a, c, strict=True))
