@@ -464,3 +464,16 @@ def test_an_all_zero_tile_of_a_batch_quantizes_to_zeros(spec):
     out = fake_quantize(x, spec, batch_dims=1, generator=0)
     assert torch.equal(out[1], torch.zeros(16, 64))
     assert not torch.isnan(out).any()
+
+
+def test_noise_is_the_uniform_each_element_rounds_with():
+    spec = dataclasses.replace(F.get("mxfp4"), name="mxfp4_sr", rounding="stochastic")
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    u = torch.rand(8, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    # along the last axis the blocks are x's own order: the generator's draws are these
+    assert torch.equal(fake_quantize(x, spec, noise=u), fake_quantize(x, spec, generator=2))
+    # along another axis each element still rounds with its own uniform
+    assert torch.equal(fake_quantize(x.T, spec, axis=0, noise=u.T), fake_quantize(x, spec, noise=u).T)
+    assert torch.equal(quantize(x, spec, noise=u).dequantize(), fake_quantize(x, spec, noise=u))
+    with pytest.raises(ValueError, match="noise must be a tensor of x's shape"):
+        fake_quantize(x, spec, noise=u[:4])
