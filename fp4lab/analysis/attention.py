@@ -32,6 +32,8 @@ reaches.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import itertools
 import math
@@ -562,15 +564,16 @@ class _Tiling:
         return -(-self.Sk // self.bn)
 
     def q_tiles(self, x):  # (B, H, Sq, ...) -> (B, Hkv, G, nQ, bm, ...)
-        pad = [0, 0] * (x.ndim - 3) + [0, self.nQ * self.bm - self.Sq]
-        x = F.pad(x, pad)
+        if self.nQ * self.bm != self.Sq:  # (F.pad copies even when it pads nothing)
+            x = F.pad(x, [0, 0] * (x.ndim - 3) + [0, self.nQ * self.bm - self.Sq])
         return x.reshape(self.B, self.Hk, self.G, self.nQ, self.bm, *x.shape[3:])
 
     def q_untile(self, t):  # (B, Hkv, G, nQ, bm, ...) -> (B, H, Sq, ...)
         return t.reshape(self.B, self.H, self.nQ * self.bm, *t.shape[5:])[:, :, : self.Sq]
 
     def k_tiles(self, x):  # (B, Hkv, Sk, E) -> (B, Hkv, nK, bn, E)
-        x = F.pad(x, (0, 0, 0, self.nK * self.bn - self.Sk))
+        if self.nK * self.bn != self.Sk:
+            x = F.pad(x, (0, 0, 0, self.nK * self.bn - self.Sk))
         return x.reshape(self.B, self.Hk, self.nK, self.bn, x.shape[-1])
 
     def k_untile(self, t):  # (B, Hkv, nK, bn, E) -> (B, Hkv, Sk, E)
@@ -1124,6 +1127,25 @@ def _settle_allocator(device: torch.device) -> None:
         torch.empty(_SETTLE_BYTES, dtype=torch.uint8)
 
 
+def _trim_allocator(device: torch.device) -> None:
+    """Hand the heap memory the blocks' temporaries left free back to the system (glibc's
+    malloc_trim), at the end of the forward and of the backward: the raised thresholds of
+    `_settle_allocator` would otherwise keep it, and the next pass would start from it."""
+    if device.type == "cpu" and _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
 class _Attention(torch.autograd.Function):
     """Forward and backward of `attention` (inputs already transformed by `_transform_qk`)."""
 
@@ -1136,6 +1158,7 @@ class _Attention(torch.autograd.Function):
         )
         rec = _begin_trace(cfg, t, q, v)
         o, lse, o_prime, saved = _forward(q, k, v, cfg, t, rec)
+        _trim_allocator(q.device)
         ctx.save_for_backward(q, k, v, o, lse, o_prime, *saved)
         ctx.cfg, ctx.tiling, ctx.rec = cfg, t, rec
         return o.to(q.dtype)
@@ -1146,6 +1169,7 @@ class _Attention(torch.autograd.Function):
         _settle_allocator(do.device)
         q, k, v, o, lse, o_prime, *saved = ctx.saved_tensors
         dq, dk, dv = _backward(do, q, k, v, o, lse, o_prime, saved, ctx.cfg, ctx.tiling, ctx.rec)
+        _trim_allocator(do.device)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
