@@ -104,7 +104,8 @@ def round_to_format(
         raise TypeError(f"fmt must be a FloatFormat, got {type(fmt).__name__}")
     rounding = Rounding.parse(rounding)
     if _fast_path_applies(x, fmt, rounding, saturate):
-        return _round_float32(x.float(), fmt, rounding).to(x.dtype)
+        u = _uniforms(x, generator, noise) if rounding is Rounding.STOCHASTIC else None
+        return _round_float32(x.float(), fmt, rounding, u, sr_bits).to(x.dtype)
     w = x.to(torch.float64)
     a = w.abs()
     mant, ex = torch.frexp(torch.where(torch.isfinite(a), a, 0.0))  # a = mant * 2^ex
@@ -124,7 +125,7 @@ def _fast_path_applies(x, fmt: FloatFormat, rounding: Rounding, saturate: bool) 
         x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and saturate
         and fmt.has_zero
-        and rounding in (Rounding.NEAREST_EVEN, Rounding.TOWARD_ZERO)
+        and rounding in (Rounding.NEAREST_EVEN, Rounding.TOWARD_ZERO, Rounding.STOCHASTIC)
         and fmt.emin - fmt.mbits >= -126
         and fmt.emax + 1 - fmt.mbits <= 126
         and fmt.mbits <= 22
@@ -132,22 +133,49 @@ def _fast_path_applies(x, fmt: FloatFormat, rounding: Rounding, saturate: bool) 
     )
 
 
-def _round_float32(x: torch.Tensor, fmt: FloatFormat, rounding: Rounding) -> torch.Tensor:
+def _round_float32(x: torch.Tensor, fmt: FloatFormat, rounding: Rounding, u=None, sr_bits=None) -> torch.Tensor:
     """The same rounding as the float64 path, on float32, for speed. Masking x's bits down to
     its exponent field gives 2^e as a float (0 for subnormals, inf for inf/NaN); clamping that
     to [2^emin, 2^(emax+1)] and scaling by 2^-mbits gives the quantum 2^q. Dividing by it,
     rounding (RNE and truncation are symmetric in the sign) and multiplying back are exact
-    in float32; saturation is a clamp, which keeps NaN."""
+    in float32; saturation is a clamp, which keeps NaN. Stochastic rounding splits |x| / 2^q
+    into its integer part and fraction (both exact in float32) and compares the fraction
+    with the float64 uniforms u in float64, as the float64 path does."""
     quantum = (x.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^e of |x|
     quantum.clamp_(2.0**fmt.emin, 2.0 ** (fmt.emax + 1)).mul_(2.0**-fmt.mbits)
     out = torch.div(x, quantum)  # in-place from here: fresh large tensors cost page faults
-    out.round_() if rounding is Rounding.NEAREST_EVEN else out.trunc_()
+    if rounding is Rounding.STOCHASTIC:
+        out = _stochastic_magnitude(out.abs_(), u, sr_bits).copysign_(x)
+    elif rounding is Rounding.NEAREST_EVEN:
+        out.round_()
+    else:
+        out.trunc_()
     out.mul_(quantum).clamp_(-fmt.max, fmt.max)
     if not fmt.signed:  # negative values have no code; -0 becomes +0 below
         out = torch.where(x < 0, torch.nan if fmt.has_nan else 0.0, out)
     if fmt.specials is Specials.FNUZ or not fmt.signed:
         out.add_(0.0)  # -0 + 0 = +0: no negative zero
     return out
+
+
+def _stochastic_magnitude(y: torch.Tensor, u: torch.Tensor, sr_bits: int | None) -> torch.Tensor:
+    """y >= 0 (float32, overwritten) rounded up with probability frac(y), by the uniforms u:
+    the same comparisons as `_round_integer`'s, the fraction exact in float32 and compared in
+    float64."""
+    low = torch.floor(y)
+    frac = y.sub_(low)
+    if sr_bits is None:
+        up = u < frac
+    else:
+        _check_sr_bits(sr_bits)
+        scale = float(1 << sr_bits)
+        up = torch.floor(u * scale) < frac.mul_(scale).floor_()  # frac * 2^r is exact
+    return low.add_(up)
+
+
+def _check_sr_bits(sr_bits) -> None:
+    if not isinstance(sr_bits, int) or isinstance(sr_bits, bool) or not 1 <= sr_bits <= 52:
+        raise ValueError(f"sr_bits must be an integer in [1, 52] or None, got {sr_bits!r}")
 
 
 def _round_integer(y, rounding, generator, sr_bits, noise) -> torch.Tensor:
@@ -166,8 +194,7 @@ def _round_integer(y, rounding, generator, sr_bits, noise) -> torch.Tensor:
     if sr_bits is None:
         up = u < frac
     else:
-        if not isinstance(sr_bits, int) or not 1 <= sr_bits <= 52:
-            raise ValueError(f"sr_bits must be an integer in [1, 52] or None, got {sr_bits!r}")
+        _check_sr_bits(sr_bits)
         scale = float(1 << sr_bits)
         up = torch.floor(u * scale) < torch.floor(frac * scale)
     return low + up.to(torch.float64)
@@ -177,7 +204,7 @@ def _uniforms(y, generator, noise) -> torch.Tensor:
     if noise is not None:
         if noise.shape != y.shape:
             raise ValueError(f"noise must have x's shape {tuple(y.shape)}, got {tuple(noise.shape)}")
-        return noise.to(torch.float64)
+        return noise.to(device=y.device, dtype=torch.float64)
     gen = as_generator(generator)
     if gen is None:
         raise ValueError(

@@ -274,3 +274,22 @@ def test_rejects_unknown_rounding_and_bad_sr_bits():
 
 def test_empty_tensor():
     assert round_to_format(torch.empty(0, 3), F.FP4_E2M1).shape == (0, 3)
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS, ids=str)
+@pytest.mark.parametrize("sr_bits", [None, 3, 12])
+def test_float32_fast_path_rounds_stochastically_as_the_float64_path(fmt, sr_bits):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(50_000, generator=gen) * torch.exp2(
+        torch.randint(-140, 128, (50_000,), generator=gen).float()
+    )
+    x = torch.cat([x, SPECIALS, torch.tensor([1e-45, -1e-45, 3.4e38])])
+    u = torch.rand(x.shape, generator=gen, dtype=torch.float64)
+    u[:8] = torch.tensor([0.0, 0.5, 1 - 2**-53, 2**-53, 0.25, 0.75, 0.999, 0.001], dtype=torch.float64)
+    fast = round_to_format(x, fmt, rounding="stochastic", noise=u, sr_bits=sr_bits)
+    slow = round_to_format(x.double(), fmt, rounding="stochastic", noise=u, sr_bits=sr_bits).float()
+    assert_same_bits(fast, slow, x, f"{fmt.name} stochastic float32 vs float64")
+    # a generator draws the same uniforms on both paths
+    a = round_to_format(x, fmt, rounding="stochastic", generator=9, sr_bits=sr_bits)
+    b = round_to_format(x.double(), fmt, rounding="stochastic", generator=9, sr_bits=sr_bits).float()
+    assert_same_bits(a, b, x, f"{fmt.name} stochastic generator")
