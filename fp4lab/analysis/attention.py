@@ -45,6 +45,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -84,6 +85,8 @@ _BLOCK_ELEMENTS = 1 << 20
 _LOG2E = math.log2(math.e)
 # malloc thresholds `_settle_allocator` sets (bytes): above every block temporary
 _SETTLE_BYTES = 30 << 20
+# Calls with at least this many score entries (B * H * Sq * Sk) get the allocator handling
+_LARGE_SCORES = 1 << 22
 # Relative slack when judging a block scale out of its format's range: NVFP4's tensor scale
 # maps the tensor amax to exactly 448 up to float32 rounding, which is not an overflow.
 _SLACK = 2.0**-20
@@ -465,24 +468,25 @@ class _Draws:
     """Stochastic rounding's uniforms, keyed by position.
 
     One key of 62 bits is drawn from the call's generator (the forward draws one, the
-    backward another after it). Every tile of every operand then has its own stream, a
-    torch.Generator seeded with a hash of (key, operand, batch, query head or KV head,
-    query tile, key tile): a whole-tensor operand's tiles are its block_m (query side) or
-    block_n (key side) rows of one (batch, head). So an element's draw depends on the seed,
-    the operand and its position alone: not on how fp4lab chunks the work, nor on the batch
-    size or the number of heads of the call. Draws are float64 uniforms with 53 random bits
-    (torch.rand's), made on the CPU and moved to the operand's device, so every device
-    rounds alike."""
+    backward another after it). Every tile of every operand then has its own stream: a
+    Philox4x64 counter-based generator (numpy's) whose key is a 64-bit hash of (key,
+    operand, batch, query head or KV head, query tile, key tile); a whole-tensor operand's
+    tiles are its block_m (query side) or block_n (key side) rows of one (batch, head). Two
+    tiles share a stream only if their 64-bit hashes collide (torch's CPU generator would
+    keep 32 bits of a seed, and streams would collide within a long run). So an element's
+    draw depends on the seed, the operand and its position alone: not on how fp4lab chunks
+    the work, nor on the batch size or the number of heads of the call. Draws are float64
+    uniforms with 53 random bits, made on the CPU and moved to the operand's device, so
+    every device rounds alike."""
 
     def __init__(self, generator: torch.Generator, t: _Tiling):
         device = generator.device
         self.key = int(torch.randint(0, 1 << 62, (1,), generator=generator, device=device).item())
         self.rows = {"query": t.bm, "key": t.bn}  # a whole-tensor tile's rows, by side
-        self._stream = torch.Generator()
 
     def _uniforms(self, *position: int, shape) -> torch.Tensor:
-        self._stream.manual_seed(_mix(self.key, *position))
-        return torch.rand(shape, generator=self._stream, dtype=torch.float64)
+        stream = np.random.Generator(np.random.Philox(key=_mix(self.key, *position)))
+        return torch.from_numpy(stream.random(shape))
 
     def for_operand(self, field: str, x: torch.Tensor, at) -> torch.Tensor:
         """Uniforms of x's shape: x a block of tiles (B, Hkv, G, n, g, r, c) whose first
@@ -780,6 +784,19 @@ def _scores(ops: _Operands, cfg: _Config, t: _Tiling, mask, i0: int, i1: int, j0
     return s, (masked if full else masked.masked_fill(~valid, -math.inf)), full
 
 
+def _hidden(t: _Tiling, i0: int, i1: int, j0: int, j1: int, device) -> torch.Tensor | None:
+    """The block's tile pairs no query of theirs can see (causal), as a (n, g, 1, 1) mask on
+    `device`, or None when there are none. A kernel never visits them; here their products
+    are zeroed (P is 0 there, but 0 * NaN in V or dO would be NaN)."""
+    hidden = ~t.visible(i0, i1, j0, j1)
+    return hidden.to(device)[..., None, None] if bool(hidden.any()) else None
+
+
+def _hide(x: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+    """x (..., n, g, r, c) with the tile pairs `hidden` marks set to 0 (in place)."""
+    return x if hidden is None else x.masked_fill_(hidden, 0)
+
+
 def _smooth_q(qw: torch.Tensor, t: _Tiling):
     """Q minus its mean over each query tile's rows, and that mean (B, Hkv, G, nQ, 1, D)."""
     tiles = t.q_tiles(qw)
@@ -890,25 +907,30 @@ def _forward_chunk(ops, v_tiles, cfg: _Config, t: _Tiling, mask, i0: int, i1: in
     """Query tiles [i0, i1) against the key tiles they see, a group of key tiles at a time."""
     recipe, q = cfg.recipe, ops.q
     run = _Running((t.B, t.Hk, t.G, i1 - i0, t.bm), v_tiles.shape[-1], q.dtype, q.device)
+    qat = recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT  # Attn-QAT's O' = (P V^) / sum P
+    extra = (("acc_prime", "acc"), ("l_prime", "l")) if qat else ()
+    extra += (("l_consumed", "l"), ("l_plain", "l")) if rec is not None else ()
+    run.sums.update({name: run.sums[like].clone() for name, like in extra})  # zeros
     ref = _Reference(ops, t, i0, i1, rec) if rec is not None else None
     for j0, j1 in groups:
         s_raw, s, full = _scores(ops, cfg, t, mask, i0, i1, j0, j1)
+        hidden = _hidden(t, i0, i1, j0, j1, s.device)
         p, m_use, weights = run.step(s)
         p_hat = _quantize_p(p, s, m_use, recipe, draws, rec is not None, (i0, j0))
         v_j = v_tiles[:, :, j0:j1]
-        pv = _times_key(p_hat.values, v_j)  # (B, Hkv, G, n, g, bm, Dv)
+        pv = _hide(_times_key(p_hat.values, v_j), hidden)  # (B, Hkv, G, n, g, bm, Dv)
         consumed, plain = p_hat.values.sum(-1), p.sum(-1)
         run.add("l", weights, consumed if recipe.row_sum is RowSum.QUANTIZED_P else plain)
         run.add("acc", weights, pv)
-        if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:  # Attn-QAT's O' = (P V^) / sum P
-            run.add("acc_prime", weights, _times_key(p, v_j))
+        if qat:
+            run.add("acc_prime", weights, _hide(_times_key(p, v_j), hidden))
             run.add("l_prime", weights, plain)
         if ref is not None:
             run.add("l_consumed", weights, consumed)
             run.add("l_plain", weights, plain)
-            ref.block(j0, j1, (s_raw, s, full), p, p_hat, pv, plain, m_use, mask, cfg)
+            ref.block(j0, j1, (s_raw, s, full), p, p_hat, (pv, plain), m_use, (mask, hidden), cfg)
     o, lse = run.finish("acc", "l")
-    o_prime = run.finish("acc_prime", "l_prime")[0] if "acc_prime" in run.sums else None
+    o_prime = run.finish("acc_prime", "l_prime")[0] if qat else None
     if ref is not None:
         ref.finish(run, o, lse)
     return o, lse, o_prime
@@ -930,10 +952,11 @@ class _Reference:
         self.run = _Running(shape, v64.shape[-1], q64.dtype, q64.device)
         self.log_lost = torch.full(shape + (t.nK,), -math.inf, dtype=q64.dtype, device=q64.device)
 
-    def block(self, j0, j1, scores, p, p_hat, pv, plain, m_use, mask, cfg) -> None:
+    def block(self, j0, j1, scores, p, p_hat, sums, m_use, masks, cfg) -> None:
         """Statistics of qk and pv on the chunk's query tiles x key tiles [j0, j1); the
         exact softmax's step."""
         (s_raw, s, full), ops, i0, i1, like = scores, self.ops, self.i0, self.i1, scores[1][..., 0, 0]
+        (pv, plain), (mask, hidden) = sums, masks
         visible = self.t.visible(i0, i1, j0, j1)
         s_ref = _pairs(self.q64, self.k64[:, :, j0:j1]).mul_(cfg.scale)
         keep = None if full else s > -math.inf  # entries the masks leave
@@ -953,7 +976,7 @@ class _Reference:
             s_ref = (s_ref if mask is None else mask.apply(s_ref, i0, i1, j0, j1)).masked_fill(~keep, -math.inf)
         p_ref, _, weights = self.run.step(s_ref, consume=True)
         self.run.add("l", weights, p_ref.sum(-1))
-        self.run.add("acc", weights, _times_key(p_ref, v64))
+        self.run.add("acc", weights, _hide(_times_key(p_ref, v64), hidden))
 
     def finish(self, run: _Running, o: torch.Tensor, lse: torch.Tensor) -> None:
         """Per-query-tile statistics of the chunk, and P's lost probability mass per tile."""
@@ -1061,20 +1084,21 @@ def _backward_chunk(ops: _BackwardOperands, cfg: _Config, t: _Tiling, mask, chun
     delta_c = delta[:, :, :, i0:i1, None, :, None]  # (B, Hkv, G, n, 1, bm, 1)
     for j0, j1 in groups:
         _, s, full = _scores(ops.scores, cfg, t, mask, i0, i1, j0, j1)
+        hidden = _hidden(t, i0, i1, j0, j1, s.device)
         p = (s - lse_c.unsqueeze(-1)).exp_()  # P rebuilt from the forward's lse
         if recipe.backward is BackwardMode.STRAIGHT_THROUGH:
             p_dv = _quantize_p(p, s, lse_c.expand(s.shape[:-1]), recipe, draws, tracing, (i0, j0))
         else:
             p_dv = _quantize_field(p, recipe, "dv_p", draws, tracing, (i0, j0))
-        dv_tiles = _t_times_query(p_dv.values, ops.do_dv[:, :, :, i0:i1])  # P_ij^T dO_i
+        dv_tiles = _hide(_t_times_query(p_dv.values, ops.do_dv[:, :, :, i0:i1]), hidden)  # P_ij^T dO_i
         dv[:, :, j0:j1] += dv_tiles.sum((2, 3))
         dp = _pairs(ops.do_dp[:, :, :, i0:i1], ops.v_dp[:, :, j0:j1])
         ds = torch.sub(dp, delta_c).mul_(p)  # dS = P * (dP - D)
         ds_q = _quantize_field(ds, recipe, "dq_ds", draws, tracing, (i0, j0))
-        dq_tiles = _times_key(ds_q.values, ops.k_dq[:, :, j0:j1])  # dS_ij K_j
+        dq_tiles = _hide(_times_key(ds_q.values, ops.k_dq[:, :, j0:j1]), hidden)  # dS_ij K_j
         dq += cfg.scale * dq_tiles.sum(4)
         ds_k = _quantize_field(ds, recipe, "dk_ds", draws, tracing, (i0, j0))
-        dk_tiles = _t_times_query(ds_k.values, ops.q_dk[:, :, :, i0:i1])  # dS_ij^T Q_i
+        dk_tiles = _hide(_t_times_query(ds_k.values, ops.q_dk[:, :, :, i0:i1]), hidden)  # dS_ij^T Q_i
         dk[:, :, j0:j1] += cfg.scale * dk_tiles.sum((2, 3))
         if tracing:
             tiles = {
@@ -1118,27 +1142,34 @@ def _backward_stats(ops: _BackwardOperands, x: dict, s, full: bool, lse_c, t: _T
 
 
 # -- the autograd Function ---------------------------------------------------------------------------
-def _settle_allocator(device: torch.device) -> None:
+def _large_cpu_call(device: torch.device, t: _Tiling) -> bool:
+    """Whether a call is large enough for the allocator handling below: on the CPU, with
+    at least _LARGE_SCORES entries of the scores (small calls, tests, leave malloc alone)."""
+    return device.type == "cpu" and t.B * t.H * t.Sq * t.Sk >= _LARGE_SCORES
+
+
+def _settle_allocator(device: torch.device, t: _Tiling) -> None:
     """Let the CPU's malloc recycle the blocks' temporaries instead of faulting in fresh pages.
 
     glibc serves large requests with mmap and returns freed heap memory above its trim
-    threshold to the system; both thresholds rise when a large mapped chunk (up to 32 MiB)
-    is freed. A block's temporaries are a few MiB each and are freed and requested again
-    every block, so with glibc's starting thresholds each one is mapped and faulted in anew,
-    which costs as much as the arithmetic. Allocating and freeing one untouched buffer a
-    little larger than a float64 block tensor raises the thresholds (to its size and twice
-    that: 9 and 18 MiB) so they are recycled. Larger tensors (plain attention's dense
-    seq x seq matrices) are served as before; elsewhere than glibc this is a harmless
-    allocation."""
-    if device.type == "cpu":
+    threshold to the system; both thresholds rise (for the rest of the process) when a
+    large mapped chunk, up to 32 MiB, is freed. A block's temporaries are a few MiB each and
+    are freed and requested again every block, so with glibc's starting thresholds each one
+    is mapped and faulted in anew, which costs as much as the arithmetic. Allocating and
+    freeing one untouched 30 MiB buffer (_SETTLE_BYTES) raises the thresholds to 30 and 60
+    MiB, so they are recycled. Larger tensors (plain attention's dense seq x seq matrices)
+    are served as before; elsewhere than glibc this is a harmless allocation. Only for
+    large calls (`_large_cpu_call`)."""
+    if _large_cpu_call(device, t):
         torch.empty(_SETTLE_BYTES, dtype=torch.uint8)
 
 
-def _trim_allocator(device: torch.device) -> None:
+def _trim_allocator(device: torch.device, t: _Tiling) -> None:
     """Hand the heap memory the blocks' temporaries left free back to the system (glibc's
-    malloc_trim), at the end of the forward and of the backward: the raised thresholds of
-    `_settle_allocator` would otherwise keep it, and the next pass would start from it."""
-    if device.type == "cpu" and _LIBC is not None:
+    malloc_trim), at the end of a large call's forward and backward: the raised thresholds
+    of `_settle_allocator` would otherwise keep it, and the next pass would start from it
+    (at seq 16384 this lowers the traced run's peak by about 40 MiB)."""
+    if _large_cpu_call(device, t) and _LIBC is not None:
         _LIBC.malloc_trim(0)
 
 
@@ -1158,25 +1189,25 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cfg: _Config):
-        _settle_allocator(q.device)
         t = _Tiling(
             B=q.shape[0], H=q.shape[1], Hk=k.shape[1], Sq=q.shape[2], Sk=k.shape[2],
             bm=cfg.block_m, bn=cfg.block_n, causal=cfg.causal,
         )
+        _settle_allocator(q.device, t)
         rec = _begin_trace(cfg, t, q, v)
         o, lse, o_prime, saved = _forward(q, k, v, cfg, t, rec)
-        _trim_allocator(q.device)
+        _trim_allocator(q.device, t)
         ctx.save_for_backward(q, k, v, o, lse, o_prime, *saved)
         ctx.cfg, ctx.tiling, ctx.rec = cfg, t, rec
-        return o.to(q.dtype)
+        return o.to(q.dtype, copy=True)  # not a view of o: a caller may modify it in place
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        _settle_allocator(do.device)
+        _settle_allocator(do.device, ctx.tiling)
         q, k, v, o, lse, o_prime, *saved = ctx.saved_tensors
         dq, dk, dv = _backward(do, q, k, v, o, lse, o_prime, saved, ctx.cfg, ctx.tiling, ctx.rec)
-        _trim_allocator(do.device)
+        _trim_allocator(do.device, ctx.tiling)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

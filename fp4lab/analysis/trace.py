@@ -34,8 +34,11 @@ nothing to count, and in tiles that hold NaN):
   arriving from earlier products show in the ``out`` rows). For ``qk`` and ``dp``, whose
   operands are whole tensors, it is computed in float64 from the tiles' Gram matrices
   (exact products of the quantized against the unquantized operands, resolved from about
-  1e-7 up; tiles a mask cuts through are compared directly, as below). For ``pv``, ``dv``,
-  ``dq``, ``dk`` (and masked ``qk``, ``dp`` tiles) y is computed in `reference_dtype`.
+  1e-7 up) in every block of tiles with nothing masked: no ``attn_mask``, no causal cut,
+  no padding at the ends of the sequences and, for ``qk``, no SageAttention Q smoothing.
+  Elsewhere, and for ``pv``, ``dv``, ``dq``, ``dk``, y is computed in `reference_dtype` and
+  compared over the entries the masks leave. (The two routes differ at the 1e-7 level: an
+  unquantized product has error exactly 0 on the first and ~1e-7 or 0 on the second.)
 - ``prod_nan``: number of NaN elements of y^.
 
 Rows with ``product == "out"`` (``k_tile == -1``) hold the per-query-tile statistics of the

@@ -580,6 +580,38 @@ def test_nan_in_k_reaches_the_rows_that_attend_to_it():
     assert torch.equal(torch.isnan(causal), torch.isnan(sdpa(q, k, v, causal=True)))
 
 
+@pytest.mark.parametrize("elements", [None, 64 * 64])  # chunks of all query tiles, or one tile pair
+def test_nan_in_v_or_do_reaches_the_query_tiles_that_see_its_key(monkeypatch, elements):
+    # Causal, 64 x 64 tiles: key 300 lies in key tile 4, which query tiles 4..7 see; a kernel
+    # never visits it for query tiles 0..3, so their rows stay finite whatever the blocking.
+    if elements is not None:
+        monkeypatch.setattr(attention_module, "_BLOCK_ELEMENTS", elements)
+    q, k, v = (x.requires_grad_() for x in qkv(1, 1, 1, 512, 512, 32, seed=62))
+    with torch.no_grad():
+        v[0, 0, 300, 0] = math.nan
+    out = attention(q, k, v, causal=True, block_m=64, block_n=64)
+    rows = torch.isnan(out[0, 0]).any(-1)
+    assert not rows[:256].any() and rows[256:].all()
+    q, k, v = (x.detach().clone().requires_grad_() for x in qkv(1, 1, 1, 512, 512, 32, seed=62))
+    do = rand(1, 1, 512, 32, seed=63)
+    do[0, 0, 10, 0] = math.nan  # query tile 0 sees key tile 0 only
+    attention(q, k, v, causal=True, block_m=64, block_n=64).backward(do)
+    nan_keys = torch.isnan(v.grad[0, 0]).any(-1)
+    assert nan_keys[:64].any() and not nan_keys[64:].any()
+
+
+def test_no_keys_with_a_trace_and_an_output_modified_in_place():
+    q, k, v = qkv(1, 1, 1, 4, 0, 32)
+    trace = Trace()
+    assert torch.equal(attention(q, k, v, trace=trace), torch.zeros(1, 1, 4, 32, dtype=F64))
+    assert (trace.to_frame()["product"] == "out").all()
+    q, k, v = (x.requires_grad_() for x in qkv(1, 1, 1, 8, 8, 32))
+    out = attention(q, k, v, "attn_qat")
+    out.mul_(2.0)  # the output is the caller's to modify, as SDPA's is
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
 def test_bad_input_names_the_argument_and_the_rule():
     q, k, v = qkv(1, 2, 2, 8, 8, 32)
     with pytest.raises(ValueError, match="k and v must agree"):
