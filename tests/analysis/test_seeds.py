@@ -121,3 +121,16 @@ def test_the_seed_decides_the_draws():
     a, b, c = sr_run(q, k, v, do, seed=1), sr_run(q, k, v, do, seed=1), sr_run(q, k, v, do, seed=2)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert not any(torch.equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+def test_draw_streams_use_all_64_bits_of_their_hash(monkeypatch):
+    # torch's CPU generator keeps 32 bits of a seed; the streams must not collide there.
+    import sys
+
+    module = sys.modules["fp4lab.analysis.attention"]
+    tiling = module._Tiling(B=1, H=1, Hk=1, Sq=1, Sk=1, bm=1, bn=1, causal=False)
+    draws = module._Draws(torch.Generator().manual_seed(0), tiling)
+    monkeypatch.setattr(module, "_mix", lambda *values: values[-1])
+    low, high = draws._uniforms(5, shape=(8,)), draws._uniforms(5 + (1 << 32), shape=(8,))
+    assert not torch.equal(low, high)
+    assert torch.equal(low, draws._uniforms(5, shape=(8,)))
