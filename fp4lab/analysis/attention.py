@@ -134,8 +134,9 @@ def attention(
             with `fp4lab.formats.register`, or the name of a format or QuantSpec, meaning it
             on every operand ("nvfp4").
         causal: the causal mask aligned top-left exactly as SDPA's ``is_causal``: query i
-            sees keys j <= i, whatever Sq and Sk. Key tiles no query of a query tile can see
-            are skipped.
+            sees keys j <= i, whatever Sq and Sk. Pairs of tiles in which no query can see
+            a key are skipped, as a kernel skips them (or, inside a block, contribute
+            nothing), and are absent from the trace.
         scale: softmax scale; 1 / sqrt(D) by default.
         trace: a `Trace` that records per-tile statistics of this call: the forward's now,
             the backward's when backward() runs.
