@@ -722,15 +722,13 @@ class _Running:
         return p.exp_(), m_use, weights
 
     def add(self, name: str, weights, value: torch.Tensor) -> None:
-        """-- update a sum --: sum = alpha * sum + sum_j w_j value_j, for the terms
+        """-- update a sum (created up front) --: sum = alpha * sum + sum_j w_j value_j, for the terms
         value (..., n, g, bm[, E]) of the block's key tiles j."""
         alpha, w = weights
         if value.ndim > w.ndim:
             alpha, w = alpha.unsqueeze(-1), w.unsqueeze(-1)
         total = (value * w.to(value.dtype)).sum(dim=4)
-        if name not in self.sums:
-            self.sums[name] = total.new_zeros(total.shape)
-        self.sums[name] = self.sums[name].mul_(alpha.to(total.dtype)).add_(total)
+        self.sums[name].mul_(alpha.to(total.dtype)).add_(total)
 
     def finish(self, acc: str, denominator: str):
         """O = acc / l (0 for fully masked rows, as SDPA) and lse = m + log l (+inf there, so
@@ -783,6 +781,13 @@ def _scores(ops: _Operands, cfg: _Config, t: _Tiling, mask, i0: int, i1: int, j0
     valid = t.valid(i0, i1, j0, j1, s.device)
     full = mask is None and bool(valid.all())
     return s, (masked if full else masked.masked_fill(~valid, -math.inf)), full
+
+
+class _ZeroDraws:
+    """Uniforms that are all 0, where the draws do not matter (see `_forward_flags`)."""
+
+    def for_operand(self, field: str, x: torch.Tensor, at) -> torch.Tensor:
+        return torch.zeros(x.shape, dtype=torch.float64, device=x.device)
 
 
 def _hidden(t: _Tiling, i0: int, i1: int, j0: int, j1: int, device) -> torch.Tensor | None:
@@ -1030,9 +1035,9 @@ def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, draws, trac
         q_eff = q_hat if mu is None else q_hat + t.q_untile(mu.expand(*mu.shape[:4], t.bm, mu.shape[-1]))
         quant = {
             "do_dv": _Quantized(do), "do_dp": _Quantized(do),
-            "v_dp": _forward_flags(v, v_hat, recipe, "v", t, tracing),
-            "k_dq": _forward_flags(k, k_hat, recipe, "k", t, tracing),
-            "q_dk": _forward_flags(q, q_eff, recipe, "q", t, tracing),
+            "v_dp": _forward_flags(v, v_hat, recipe, "v", tracing),
+            "k_dq": _forward_flags(k, k_hat, recipe, "k", tracing),
+            "q_dk": _forward_flags(q, q_eff, recipe, "q", tracing),
         }
     plain = {"do_dv": do, "do_dp": do, "v_dp": v, "k_dq": k, "q_dk": q}
     tiler = {"do_dv": t.q_tiles, "do_dp": t.q_tiles, "v_dp": t.k_tiles, "k_dq": t.k_tiles, "q_dk": t.q_tiles}
@@ -1043,14 +1048,13 @@ def _backward_operands(do, q, k, v, saved, cfg: _Config, t: _Tiling, draws, trac
     return _BackwardOperands(scores=scores, stats=stats, **tiles)
 
 
-def _forward_flags(x, x_hat, recipe: AttentionRecipe, field: str, t: _Tiling, tracing: bool) -> _Quantized:
+def _forward_flags(x, x_hat, recipe: AttentionRecipe, field: str, tracing: bool) -> _Quantized:
     """The forward's quantized operand, with its trace counts recomputed. The counts depend
     on the block scales and the scaled elements before rounding only, never on stochastic
-    rounding's draws, so throwaway draws give the forward's counts."""
+    rounding's draws, so draws of zeros give the forward's counts."""
     if not tracing:
         return _Quantized(x_hat)
-    draws = _Draws(torch.Generator().manual_seed(0), t) if recipe.stochastic else None
-    counts = _quantize_field(x, recipe, field, draws, True).counts
+    counts = _quantize_field(x, recipe, field, _ZeroDraws(), True).counts
     return _Quantized(x_hat, counts)
 
 
