@@ -8,7 +8,7 @@ explicitly chosen backend; `compare` and `gradient_bias` measure a recipe agains
 attention. See the README for a tour.
 """
 
-from fp4lab.analysis import AttentionRecipe, Trace, compare, gradient_bias, patch_sdpa
+from fp4lab.analysis import compare, gradient_bias, patch_sdpa
 from fp4lab.backends import attention
 from fp4lab.formats import (
     FloatFormat,
@@ -22,6 +22,7 @@ from fp4lab.formats import (
     quantize,
     round_to_format,
 )
+from fp4lab.recipes import AttentionRecipe, Trace
 
 __version__ = "0.1.0"
 

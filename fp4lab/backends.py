@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from fp4lab.analysis import AttentionRecipe, Trace
 from fp4lab.analysis import attention as reference_attention
+from fp4lab.recipes import AttentionRecipe, Trace
 
 __all__ = ["attention", "BACKENDS"]
 

@@ -5,12 +5,13 @@ import torch
 
 import fp4lab
 import fp4lab.analysis
+import fp4lab.recipes
 
 
 def test_public_names():
     for name in ("attention", "patch_sdpa", "Trace", "AttentionRecipe", "compare", "gradient_bias"):
         assert name in fp4lab.__all__ and hasattr(fp4lab, name)
-    assert fp4lab.Trace is fp4lab.analysis.Trace
+    assert fp4lab.Trace is fp4lab.recipes.Trace
     assert fp4lab.compare is fp4lab.analysis.compare
 
 

@@ -15,21 +15,9 @@ from fp4lab.analysis.inputs import (
     save_inputs,
     synthetic_inputs,
 )
-from fp4lab.analysis.recipe import (
-    AttentionRecipe,
-    BackwardMode,
-    BackwardP,
-    DeltaSource,
-    PQuant,
-    Product,
-    RowSum,
-    resolve_recipe,
-)
-from fp4lab.analysis.trace import Trace
 
 __all__ = [
-    "AttentionRecipe", "BackwardMode", "BackwardP", "DeltaSource", "PQuant", "Product",
-    "RowSum", "resolve_recipe", "Trace", "attention", "patch_sdpa", "quantize_operand",
+    "attention", "patch_sdpa", "quantize_operand",
     "Comparison", "compare", "saturation", "GradientBias", "gradient_bias", "AttentionInputs",
     "SyntheticConfig", "load_inputs", "save_inputs", "synthetic_inputs",
 ]

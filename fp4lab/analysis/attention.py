@@ -49,24 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fp4lab.analysis.recipe import (
-    AttentionRecipe,
-    BackwardMode,
-    BackwardP,
-    DeltaSource,
-    PQuant,
-    Product,
-    RowSum,
-    resolve_recipe,
-)
-from fp4lab.analysis.trace import (
-    Trace,
-    TraceCall,
-    exact_count,
-    operand_stats,
-    prefix,
-    product_stats,
-)
+from fp4lab.analysis.trace import exact_count, operand_stats, prefix, product_stats
 from fp4lab.formats import (
     FloatFormat,
     QuantSpec,
@@ -75,6 +58,18 @@ from fp4lab.formats import (
     hadamard_matrix,
     quantize_blocks,
     round_to_format,
+)
+from fp4lab.recipes import (
+    AttentionRecipe,
+    BackwardMode,
+    BackwardP,
+    DeltaSource,
+    PQuant,
+    Product,
+    RowSum,
+    Trace,
+    TraceCall,
+    resolve_recipe,
 )
 
 __all__ = ["attention", "patch_sdpa", "quantize_operand"]
@@ -306,7 +301,7 @@ _LAYOUT = {
 
 
 # P and dS exist only inside the kernel: quantized tile by tile, after their prescale.
-_TILE_FIELDS = {"p": "p_prescale", "dv_p": "p_prescale", "dq_ds": "ds_prescale", "dk_ds": "ds_prescale"}
+_TILE_FIELDS = {"p": "p_lift", "dv_p": "p_lift", "dq_ds": "ds_lift", "dk_ds": "ds_lift"}
 
 
 def _check_tiling(recipe: AttentionRecipe, d: int, dv: int, block_m: int, block_n: int) -> None:

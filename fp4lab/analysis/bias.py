@@ -51,7 +51,7 @@ import torch
 from scipy import stats
 
 from fp4lab.analysis.compare import exact_reference, forward_backward
-from fp4lab.analysis.recipe import AttentionRecipe, resolve_recipe
+from fp4lab.recipes import AttentionRecipe, resolve_recipe
 
 __all__ = ["GradientBias", "gradient_bias", "derive_seeds"]
 

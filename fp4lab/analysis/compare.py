@@ -30,8 +30,7 @@ import pandas as pd
 import torch
 
 from fp4lab.analysis.attention import attention
-from fp4lab.analysis.recipe import AttentionRecipe, Product, resolve_recipe
-from fp4lab.analysis.trace import Trace
+from fp4lab.recipes import AttentionRecipe, Product, Trace, resolve_recipe
 
 __all__ = ["Comparison", "compare", "exact_reference", "error_metrics", "forward_backward", "saturation",
            "TENSORS"]

@@ -1,10 +1,10 @@
-"""Block-scaling recipes: `QuantSpec`, how block scales are chosen, and the named presets.
+"""Block formats: `QuantSpec` and how its block scales are chosen (`ScaleRule`, `ScaleArithmetic`).
 
-A block-scaling recipe composes an element format, a scale format and a block shape
+A block format composes an element format, a scale format and a block shape
 (the gfloat habit): each block of elements shares one scale, chosen from the block's
 absolute maximum by a `ScaleRule`, optionally under a per-tensor second-level scale.
 The exact floating-point order of the scale arithmetic differs between implementations
-and changes bits, so it is part of the recipe too (`ScaleArithmetic`): the same data
+and changes bits, so it is part of the block format too (`ScaleArithmetic`): the same data
 model expresses the OCP MX reference, Transformer Engine's NVFP4 reference quantizer and
 torchao's `nvfp4_quantize`, each bit for bit.
 
@@ -19,22 +19,10 @@ import enum
 from dataclasses import dataclass
 
 from fp4lab.formats.float_format import FloatFormat
-from fp4lab.formats.named import (
-    FP4_E2M1,
-    FP6_E2M3,
-    FP6_E3M2,
-    FP8_E4M3FN,
-    FP8_E5M2,
-    FP32,
-    INT8,
-    UE4M3,
-    UE5M3,
-    UE8M0,
-)
-from fp4lab.formats.registry import parse_enum, register
+from fp4lab.formats.registry import parse_enum
 from fp4lab.formats.rounding import Rounding
 
-__all__ = ["ScaleRule", "ScaleArithmetic", "QuantSpec", "PRESETS"]
+__all__ = ["ScaleRule", "ScaleArithmetic", "QuantSpec"]
 
 
 class ScaleRule(enum.Enum):
@@ -99,7 +87,7 @@ class ScaleArithmetic(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class QuantSpec:
-    """A block-scaling recipe.
+    """A block format: element format, scale format, block shape and scale arithmetic.
 
     Attributes:
         name: registry name.
@@ -114,8 +102,9 @@ class QuantSpec:
         scale_floor: block scales (before rounding into `scale`) below this are raised to
             it; torchao's NVFP4 uses E4M3's smallest normal, 2^-6. None: no floor.
         hadamard: size of a random Hadamard transform applied along the quantized axis
-            before quantization and undone by dequantization (16, 32, 64 or 128), or None.
-        hadamard_seed: seed of the transform's random signs (recorded with the recipe).
+            before quantization and undone by dequantization (a power of two from 2 to 256),
+            or None.
+        hadamard_seed: seed of the transform's random signs (part of the format's fields).
         rounding: rounding of the elements (block scales follow `scale_rule`).
         sr_bits: random bits of stochastic rounding (None: exact); see `Rounding`.
     """
@@ -175,52 +164,3 @@ class QuantSpec:
 
     def __str__(self) -> str:
         return self.name
-
-
-def _mx(name: str, element: FloatFormat, rule: ScaleRule = ScaleRule.OCP_FLOOR) -> QuantSpec:
-    """An OCP MX v1.0 recipe: blocks of 32 sharing an E8M0 scale."""
-    return QuantSpec(name=name, element=element, scale=UE8M0, block=(32,), scale_rule=rule)
-
-
-def _nvfp4(name: str, block: tuple[int, ...]) -> QuantSpec:
-    """NVFP4 with Transformer Engine's reference arithmetic (see ScaleArithmetic.TE_ENCODE)."""
-    return QuantSpec(
-        name=name, element=FP4_E2M1, scale=UE4M3, block=block, scale_rule=ScaleRule.NEAREST,
-        tensor_scale=True, arithmetic=ScaleArithmetic.TE_ENCODE,
-    )
-
-
-def _torchao_nvfp4(name: str, tensor_scale: bool) -> QuantSpec:
-    """torchao's ``nvfp4_quantize`` (two-level with its per_tensor_amax_to_scale, or single)."""
-    return QuantSpec(
-        name=name, element=FP4_E2M1, scale=UE4M3, block=(16,), scale_rule=ScaleRule.NEAREST,
-        tensor_scale=tensor_scale, arithmetic=ScaleArithmetic.TORCHAO_DECODE,
-        scale_floor=UE4M3.min_normal,
-    )
-
-
-def _per_tensor(name: str, element: FloatFormat) -> QuantSpec:
-    """Per-tensor amax scaling: one float32 scale fl(A / M_e) for the whole tensor."""
-    return QuantSpec(name=name, element=element, scale=FP32, block=None, scale_rule=ScaleRule.NEAREST)
-
-
-PRESETS = (
-    _mx("mxfp4", FP4_E2M1),
-    _mx("mxfp4_ceil", FP4_E2M1, ScaleRule.CEIL),
-    _mx("mxfp4_even", FP4_E2M1, ScaleRule.EVEN),
-    _mx("mxfp4_rceil", FP4_E2M1, ScaleRule.RCEIL),
-    _mx("mxfp6_e3m2", FP6_E3M2),
-    _mx("mxfp6_e2m3", FP6_E2M3),
-    _mx("mxfp8_e4m3", FP8_E4M3FN),
-    _mx("mxfp8_e5m2", FP8_E5M2),
-    _mx("mxint8", INT8),
-    _nvfp4("nvfp4", (16,)),
-    _nvfp4("nvfp4_2d", (16, 16)),
-    QuantSpec(name="nvfp4_ue5m3", element=FP4_E2M1, scale=UE5M3, block=(16,), scale_rule=ScaleRule.NEAREST),
-    _per_tensor("fp8_e4m3_tensor", FP8_E4M3FN),
-    _per_tensor("fp8_e5m2_tensor", FP8_E5M2),
-    _torchao_nvfp4("torchao_nvfp4", tensor_scale=True),
-    _torchao_nvfp4("torchao_nvfp4_1level", tensor_scale=False),
-)
-for _spec in PRESETS:
-    register(_spec)

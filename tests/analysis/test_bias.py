@@ -15,7 +15,7 @@ import torch
 from scipy import stats
 
 import fp4lab.formats as F
-from fp4lab.analysis import AttentionRecipe
+from fp4lab.recipes import AttentionRecipe
 from fp4lab.analysis.bias import derive_seeds, gradient_bias
 from fp4lab.analysis.compare import compare, exact_reference, forward_backward
 from fp4lab.analysis.inputs import synthetic_inputs

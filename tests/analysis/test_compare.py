@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp4lab.analysis import Trace
+from fp4lab.recipes import Trace
 from fp4lab.analysis.compare import TENSORS, compare, error_metrics, exact_reference, saturation
 from fp4lab.analysis.inputs import synthetic_inputs
 

@@ -6,8 +6,9 @@ import pandas as pd
 import pytest
 import torch
 
-from fp4lab.analysis import AttentionRecipe, Trace, attention
-from fp4lab.analysis.trace import OPERAND_COLUMNS, OUT_COLUMNS, PRODUCT_COLUMNS
+from fp4lab.analysis import attention
+from fp4lab.recipes import AttentionRecipe, Trace
+from fp4lab.recipes import OPERAND_COLUMNS, OUT_COLUMNS, PRODUCT_COLUMNS
 from fp4lab.formats import FP8_E4M3FN, fake_quantize, round_to_format
 from tests.analysis.test_attention import causal_mask, qkv, rand
 

@@ -21,7 +21,9 @@ with warnings.catch_warnings():
     from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
     from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
 
-PRESETS = [p.name for p in F.PRESETS]
+# the deterministic block formats (stochastic rounding is tested with its draws below)
+DETERMINISTIC = [p for p in F.BLOCK_FORMATS if p.rounding is not F.Rounding.STOCHASTIC]
+PRESETS = [p.name for p in DETERMINISTIC]
 
 
 def spread(shape, seed=0, dtype=torch.float32, low=-30, high=30):
@@ -451,7 +453,7 @@ def test_batch_dims_bad_values():
         quantize(x, "nvfp4_2d", batch_dims=2)
 
 
-@pytest.mark.parametrize("spec", F.PRESETS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", DETERMINISTIC, ids=lambda s: s.name)
 def test_an_all_zero_tile_of_a_batch_quantizes_to_zeros(spec):
     # A block (and a per-tile tensor scale) of +0 or -0 gives zeros, not NaN: its amax is +0.
     # Except torchao's arithmetic with a tensor scale, which divides 0 by a zero tensor scale

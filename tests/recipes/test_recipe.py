@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp4lab.analysis import attention
-from fp4lab.analysis.recipe import (
+from fp4lab.recipes import (
     PRESETS,
     AttentionRecipe,
     BackwardMode,
@@ -20,7 +20,7 @@ from fp4lab.analysis.recipe import (
 from fp4lab.formats import BF16, FP8_E4M3FN, QuantSpec, Rounding, get, names, unregister
 
 PRESET_NAMES = [
-    "exact", "bf16", "fp8_per_tensor", "fa3_fp8", "sageattn3", "attn_qat_dropin", "attn_qat",
+    "exact", "flash_bf16", "fp8_per_tensor", "fa3_fp8", "sageattn3", "attn_qat_dropin", "attn_qat",
     "fa4fp4_directp", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv", "croissattn",
 ]
 
@@ -35,17 +35,20 @@ def test_every_preset_resolves_by_name_and_documents_itself(name):
     assert any(src in recipe.doc for src in ("arXiv", "fp4-fa4", "talk", "FlashAttention")), recipe.doc
 
 
-@pytest.mark.parametrize("name", [n for n in PRESET_NAMES if n != "bf16"])
+@pytest.mark.parametrize("name", PRESET_NAMES)
 def test_presets_are_in_the_shared_registry(name):
     assert get(name) is resolve_recipe(name)
     assert name in names(AttentionRecipe)
 
 
-def test_bf16_preset_shares_its_name_with_the_format():
-    # "bf16" is the format's name in the one registry; as a recipe name it is the preset.
+def test_bf16_preset_has_a_name_of_its_own():
+    # "bf16" is the number format; as a recipe name it means bf16 on every operand, which is
+    # what the flash_bf16 preset is, under its own name (one registry, no second one).
     assert get("bf16") is BF16
-    recipe = resolve_recipe("bf16")
-    assert all(s is BF16 for s in (getattr(recipe, f) for p in Product for f in p.fields))
+    preset, uniform = resolve_recipe("flash_bf16"), resolve_recipe("bf16")
+    for recipe in (preset, uniform):
+        assert all(s is BF16 for s in (getattr(recipe, f) for p in Product for f in p.fields))
+    assert uniform.name == "bf16" and dataclasses.replace(uniform, name="flash_bf16", doc=preset.doc) == preset
 
 
 def test_a_format_name_is_a_uniform_recipe():
@@ -93,8 +96,8 @@ def test_enum_fields_parse_strings_and_reject_unknown_values():
 
 @pytest.mark.parametrize("bad", [0.0, -2.0, 3.0, float("inf"), 0.75])
 def test_prescales_must_be_powers_of_two(bad):
-    with pytest.raises(ValueError, match="p_prescale"):
-        AttentionRecipe(name="x", p_prescale=bad)
+    with pytest.raises(ValueError, match="p_lift"):
+        AttentionRecipe(name="x", p_lift=bad)
 
 
 def test_straight_through_rejects_backward_operands():

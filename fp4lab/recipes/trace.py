@@ -1,0 +1,212 @@
+"""Per-tile statistics of what quantization did inside attention: the `Trace`.
+
+Give `attention(..., trace=Trace())` and every call records, for each of the six products
+(`qk`, `pv` in the forward; `dv`, `dp`, `dq`, `dk` once `backward()` has run) and each
+(batch, head, query tile, key tile), how much its two operands lost to quantization and how
+far the product tile landed from the same product on unquantized operands, plus
+per query tile how far the softmax denominator, log-sum-exp and output moved. Several calls
+(the layers of a model under `patch_sdpa`) are kept apart by a `call` index. Statistics are
+tensors while attention runs and a pandas DataFrame at the end (`Trace.to_frame`), never
+prints; a heatmap over (q_tile, k_tile) of any column is one pivot away.
+
+Definitions (x an operand tile before quantization, x^ after, both as the product consumes
+them: P is exp(S - m) with the online softmax's running maximum m in ``pv`` and the rebuilt
+exp(S - lse) in ``dv``; "nonzero" counts the elements with x != 0; NaN where a ratio has
+nothing to count, and in tiles that hold NaN):
+
+- ``a_err`` / ``b_err``: ||x^ - x||_F / ||x||_F (0 when both are zero).
+- ``a_flushed`` / ``b_flushed``: fraction of nonzero elements with x^ = 0.
+- ``a_clipped`` / ``b_clipped``: fraction of nonzero elements whose magnitude exceeds the
+  largest value representable in their block (element max x block scale x tensor scale),
+  so that saturation, not rounding, set x^.
+- ``a_scale_underflow`` / ``..._overflow``: fraction of the tile's blocks holding a nonzero
+  element whose ideal scale, block amax / (element max x tensor scale), lies below the
+  scale format's smallest positive value (the block flushes or its scale is raised) or above
+  its largest (the scale saturates and the block clips), beyond float32 rounding. A block
+  of a whole-tensor operand counts in the tile holding its first element. NaN for operands
+  without block scales.
+- ``a_nan`` / ``b_nan``: number of NaN elements of x^.
+- ``p_mass_lost`` (products with a P operand): probability mass whose P values were
+  flushed to zero, in units of the final softmax probability, averaged over the tile's
+  query rows (the forward normalises by the recipe's own log-sum-exp).
+- ``prod_err``: ||y^ - y||_F / ||y||_F of the product tile y^ (quantized operands) against
+  y, the same product on the unquantized operands of this product (its local error; errors
+  arriving from earlier products show in the ``out`` rows). For ``qk`` and ``dp``, whose
+  operands are whole tensors, it is computed in float64 from the tiles' Gram matrices
+  (exact products of the quantized against the unquantized operands, resolved from about
+  1e-7 up) in every block of tiles with nothing masked: no ``attn_mask``, no causal cut,
+  no padding at the ends of the sequences and, for ``qk``, no SageAttention Q smoothing.
+  Elsewhere, and for ``pv``, ``dv``, ``dq``, ``dk``, y is computed in `reference_dtype` and
+  compared over the entries the masks leave. (The two routes differ at the 1e-7 level: an
+  unquantized product has error exactly 0 on the first and ~1e-7 or 0 on the second.)
+- ``prod_nan``: number of NaN elements of y^.
+
+Rows with ``product == "out"`` (``k_tile == -1``) hold the per-query-tile statistics of the
+forward, over the tile's query rows that are not fully masked:
+
+- ``row_sum_err``: mean of l^ / l - 1, the sum of the P values that P V consumed over the
+  sum of the unquantized P (same scores, same running maximum).
+- ``lse_err``: mean |lse - lse_ref|, the recipe's log-sum-exp against the exact one in
+  `reference_dtype` from the unquantized Q, K.
+- ``out_err``: ||O - O_ref||_F / ||O_ref||_F of the output tile against exact attention in
+  `reference_dtype` on the unquantized inputs.
+- ``out_nan``: number of NaN elements of the output tile.
+
+Reference precision. `reference_dtype` defaults to the computation's working precision:
+float64 for float64 inputs, float32 otherwise. A float32 reference product on the same
+operands differs from the float64 one by a relative ~1e-7 (at most K u ||A|| ||B|| for an
+inner dimension K, u = 2^-24), so ``prod_err``, ``out_err`` and ``lse_err`` carry an
+absolute uncertainty of ~1e-7 to 1e-6, far below any FP8 or FP4 error (1e-3 to 1e-1);
+with unquantized operands the reference is the very same float32 arithmetic and the error
+is 0. Ask for ``Trace(reference_dtype=torch.float64)`` to resolve float32-level errors in a
+float32 run; it costs about 1.5x the time on a CPU (float64 matrix products run at a third
+of float32's speed there). See benchmarks/RESULTS.md for both.
+
+Cost: the reference adds four products per tile pair with small outputs (``pv``, ``dv``,
+``dq``, ``dk``) and the exact attention of the ``out`` rows; the trace only reads:
+attention's outputs and gradients are the same bits with and without it.
+
+Identifying columns: ``call``, ``recipe``, ``product``, ``a_name``, ``b_name`` (operand
+names: q, k, p, v, do, ds), ``batch``, ``head`` (query head), ``kv_head``, ``q_tile``,
+``k_tile``. Tiles a causal mask skips entirely are absent. Metadata of each call (shapes,
+tiles, causal, the generator's seed) is in `Trace.calls[i].meta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+from fp4lab.recipes.operands import Product
+
+__all__ = ["Trace", "TraceCall", "OPERAND_COLUMNS", "PRODUCT_COLUMNS", "OUT_COLUMNS"]
+
+OPERAND_COLUMNS = ("err", "flushed", "clipped", "scale_underflow", "scale_overflow", "nan")
+PRODUCT_COLUMNS = ("p_mass_lost", "prod_err", "prod_nan")
+OUT_COLUMNS = ("row_sum_err", "lse_err", "out_err", "out_nan")
+
+
+class Trace:
+    """Collects per-tile statistics of the attention calls it is passed to.
+
+    Args:
+        reference_dtype: precision of the reference products and of the exact attention the
+            ``out`` rows compare with: torch.float32, torch.float64, or None (the default)
+            for the computation's working precision, float64 for float64 inputs and float32
+            otherwise (see the module's "Reference precision"). Each call's metadata records
+            the dtype it used.
+    """
+
+    def __init__(self, *, reference_dtype: torch.dtype | None = None) -> None:
+        if reference_dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(f"reference_dtype must be torch.float32, torch.float64 or None, got {reference_dtype}")
+        self.reference_dtype = reference_dtype
+        self.calls: list[TraceCall] = []
+
+    def begin(self, recipe: str, dims: tuple[int, ...], meta: dict) -> TraceCall:
+        """Open the record of one attention call (used by `attention`)."""
+        call = TraceCall(len(self.calls), recipe, dims, dict(meta))
+        self.calls.append(call)
+        return call
+
+    def clear(self) -> None:
+        """Forget every recorded call."""
+        self.calls.clear()
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (call, product, batch, head, query tile, key tile); see the module."""
+        frames = [call.to_frame() for call in self.calls]
+        frames = [f for f in frames if len(f)]
+        if not frames:
+            return pd.DataFrame(columns=list(_ID_COLUMNS + _ALL_STATS))
+        return pd.concat(frames, ignore_index=True)
+
+
+_ID_COLUMNS = (
+    "call", "recipe", "product", "a_name", "b_name", "batch", "head", "kv_head", "q_tile",
+    "k_tile",
+)
+_ALL_STATS = (
+    tuple(f"{side}_{c}" for side in "ab" for c in OPERAND_COLUMNS) + PRODUCT_COLUMNS + OUT_COLUMNS
+)
+
+
+@dataclass
+class TraceCall:
+    """The statistics of one attention call, as (B, Hkv, G, n_q_tiles, n_k_tiles) tensors.
+
+    Heads are split as query head = kv_head * G + g (grouped-query attention's layout).
+    """
+
+    index: int
+    recipe: str
+    dims: tuple[int, ...]  # (B, Hkv, G, nQ, nK)
+    meta: dict
+    products: dict[Product, dict] = field(default_factory=dict)  # columns, stacked table
+    done: dict[Product, torch.Tensor] = field(default_factory=dict)
+    out: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, product: Product, i0: int, j0: int, stats: dict[str, torch.Tensor], visible: torch.Tensor) -> None:
+        """Store a block's statistics: query tiles i0 .. i0 + n by key tiles j0 .. j0 + g,
+        each (B, Hkv, G, n, g); `visible` (n, g) marks the tiles that count (the others, a
+        causal mask's skipped tiles, never appear in the frame).
+
+        Columns are kept stacked, (columns, B, Hkv, G, nQ, nK), so that one block costs
+        one copy whatever the number of columns."""
+        if product not in self.products:
+            self.products[product] = {"columns": [], "table": torch.empty((0, *self.dims), dtype=torch.float64)}
+            self.done[product] = torch.zeros(self.dims[3:], dtype=torch.bool)
+        entry = self.products[product]
+        new = [name for name in stats if name not in entry["columns"]]
+        if new:
+            fill = torch.full((len(new), *self.dims), float("nan"), dtype=torch.float64)
+            entry["table"] = torch.cat([entry["table"], fill])
+            entry["columns"] += new
+        first = entry["columns"].index(next(iter(stats)))
+        names = entry["columns"][first : first + len(stats)]
+        if set(names) != set(stats):
+            raise ValueError(f"columns {list(stats)} are not stored together for {product.value}")
+        values = torch.stack([stats[name] for name in names]).detach().to("cpu", torch.float64)
+        n, g = values.shape[-2:]
+        entry["table"][first : first + len(names), ..., i0 : i0 + n, j0 : j0 + g] = values
+        self.done[product][i0 : i0 + n, j0 : j0 + g] |= visible
+
+    def add_out(self, i0: int, stats: dict[str, torch.Tensor]) -> None:
+        """Store per-query-tile statistics of tiles i0 .. i0 + n, each (B, Hkv, G, n)."""
+        for name, value in stats.items():
+            if name not in self.out:
+                self.out[name] = torch.full(self.dims[:4], float("nan"), dtype=torch.float64)
+            self.out[name][..., i0 : i0 + value.shape[-1]] = value.detach().to("cpu", torch.float64)
+
+    def to_frame(self) -> pd.DataFrame:
+        frames = [self._product_frame(p) for p in Product if p in self.products]
+        if self.out:
+            frames.append(self._out_frame())
+        if not frames:
+            return pd.DataFrame(columns=list(_ID_COLUMNS + _ALL_STATS))
+        frame = pd.concat(frames, ignore_index=True)
+        return frame.reindex(columns=list(_ID_COLUMNS + _ALL_STATS))
+
+    def _index(self, with_k: bool) -> dict[str, torch.Tensor]:
+        b, h, g, nq, nk = self.dims
+        shape = self.dims if with_k else self.dims[:4]
+        grids = torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij")
+        index = {"batch": grids[0], "kv_head": grids[1], "head": grids[1] * g + grids[2], "q_tile": grids[3]}
+        index["k_tile"] = grids[4] if with_k else torch.full(shape, -1)
+        return index
+
+    def _product_frame(self, product: Product) -> pd.DataFrame:
+        keep = self.done[product].expand(self.dims)  # (B, Hkv, G, nQ, nK)
+        columns = {k: v[keep].numpy() for k, v in self._index(True).items()}
+        entry = self.products[product]
+        columns.update({k: entry["table"][c][keep].numpy() for c, k in enumerate(entry["columns"])})
+        frame = pd.DataFrame(columns)
+        a_name, b_name = product.operand_names
+        return frame.assign(call=self.index, recipe=self.recipe, product=product.value, a_name=a_name, b_name=b_name)
+
+    def _out_frame(self) -> pd.DataFrame:
+        columns = {k: v.flatten().numpy() for k, v in self._index(False).items()}
+        columns.update({k: v.flatten().numpy() for k, v in self.out.items()})
+        return pd.DataFrame(columns).assign(call=self.index, recipe=self.recipe, product="out")
