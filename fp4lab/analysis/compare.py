@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from fp4lab.analysis.attention import attention
+from fp4lab.analysis.flash import attention
 from fp4lab.recipes import AttentionRecipe, Product, Trace, resolve_recipe
 
 __all__ = ["Comparison", "compare", "exact_reference", "error_metrics", "forward_backward", "saturation",

@@ -104,7 +104,7 @@ def test_draws_do_not_depend_on_how_the_work_is_chunked(monkeypatch):
     q, k, v, do = qkv(3, (1, 2, 130, 32))
     base = sr_run(q, k, v, do, causal=True)
     for elements in (32 * 32 * 2, 32 * 32 * 2 * 3):  # one tile pair, three, per block
-        monkeypatch.setattr(sys.modules["fp4lab.analysis.attention"], "_BLOCK_ELEMENTS", elements)
+        monkeypatch.setattr(sys.modules["fp4lab.analysis.tiling"], "BLOCK_ELEMENTS", elements)
         for a, b in zip(base, sr_run(q, k, v, do, causal=True), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
@@ -128,9 +128,8 @@ def test_draw_streams_use_all_64_bits_of_their_hash(monkeypatch):
     # torch's CPU generator keeps 32 bits of a seed; the streams must not collide there.
     import sys
 
-    module = sys.modules["fp4lab.analysis.attention"]
-    tiling = module._Tiling(B=1, H=1, Hk=1, Sq=1, Sk=1, bm=1, bn=1, causal=False)
-    draws = module._Draws(torch.Generator().manual_seed(0), tiling)
+    module = sys.modules["fp4lab.analysis.streams"]
+    draws = module.Draws(torch.Generator().manual_seed(0), 1, 1)
     monkeypatch.setattr(module, "_mix", lambda *values: values[-1])
     low, high = draws._uniforms(5, shape=(8,)), draws._uniforms(5 + (1 << 32), shape=(8,))
     assert not torch.equal(low, high)

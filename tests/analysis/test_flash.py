@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from fp4lab.analysis import attention, patch_sdpa
 from fp4lab.recipes import Trace
-from fp4lab.analysis.attention import _direct_p, _quantize_p, quantize_operand
+from fp4lab.analysis.p_quant import _direct_p, quantize_p
+from fp4lab.analysis.quantizers import quantize_operand
 from fp4lab.recipes import (
     PRESETS,
     AttentionRecipe,
@@ -41,8 +42,7 @@ from fp4lab.formats import (
 )
 
 F64 = torch.float64
-# the module, not the function fp4lab.analysis re-exports under the same name
-attention_module = importlib.import_module("fp4lab.analysis.attention")
+tiling_module = importlib.import_module("fp4lab.analysis.tiling")
 
 
 def rand(*shape, dtype=F64, seed=0, scale=1.0):
@@ -233,7 +233,7 @@ def test_tile_sizes_and_chunking_do_not_change_exact_results(monkeypatch):
     q, k, v = qkv(1, 2, 2, 70, 90, 32)
     base = attention(q, k, v, causal=True, block_m=16, block_n=16)
     close(attention(q, k, v, causal=True, block_m=32, block_n=8), base, 1e-12)
-    monkeypatch.setattr(attention_module, "_BLOCK_ELEMENTS", 600)
+    monkeypatch.setattr(tiling_module, "BLOCK_ELEMENTS", 600)
     close(attention(q, k, v, causal=True, block_m=16, block_n=16), base, 1e-14)
 
 
@@ -244,7 +244,7 @@ def test_chunking_of_query_tiles_does_not_change_quantized_results(monkeypatch, 
     do = rand(1, 2, 70, 32, seed=3)
     out = attention(q, k, v, recipe, causal=True, block_m=16, block_n=32)
     g = grads(out, (q, k, v), do)
-    monkeypatch.setattr(attention_module, "_BLOCK_ELEMENTS", 16 * 32)
+    monkeypatch.setattr(tiling_module, "BLOCK_ELEMENTS", 16 * 32)
     out2 = attention(q, k, v, recipe, causal=True, block_m=16, block_n=32)
     close(out, out2, 1e-13)
     for a, b in zip(g, grads(out2, (q, k, v), do), strict=True):
@@ -263,7 +263,7 @@ def test_key_tile_groups_give_the_online_softmax_values(monkeypatch, budget, cau
     runs = []
     for elements in (None, budget):
         if elements is not None:
-            monkeypatch.setattr(attention_module, "_BLOCK_ELEMENTS", elements)
+            monkeypatch.setattr(tiling_module, "BLOCK_ELEMENTS", elements)
         trace = Trace(reference_dtype=F64)
         out = attention(q, k, v, "nvfp4", causal=causal, block_m=16, block_n=32, trace=trace)
         runs.append((out, grads(out, (q, k, v), do), trace.to_frame()))
@@ -397,7 +397,7 @@ def test_sageattn3_two_level_p_maps_each_row_max_to_448_times_6():
     s = rand(1, 1, 1, 16, 64, seed=45, scale=3.0)
     m = s.amax(-1)
     p = torch.exp(s - m.unsqueeze(-1)) * 0.37  # a tile whose rows do not reach 1
-    p_hat = _quantize_p(p, s, m, recipe, None, False, (0, 0)).values
+    p_hat = quantize_p(p, s, m, recipe, None, False, (0, 0)).values
     close(p_hat.amax(-1), p.amax(-1), 1e-15)  # 448 * 6 is E4M3 448 x E2M1 6: exact
     r = 448 * 6 / p.amax(-1, keepdim=True)
     close(p_hat, fq(p * r, get("nvfp4_1level"), -1) / r, 1e-15)
@@ -471,12 +471,12 @@ def test_direct_p_affine_code_map():
     # one row, one block of 32: log2 P = 0, -1, -2, -3, then very small
     log2p = torch.tensor([0.0, -1.0, -2.0, -3.0] + [-40.0] * 28, dtype=F64)
     s = (log2p / math.log2(math.e)).view(1, 1, 1, 1, 1, 32)
-    p_hat = _direct_p(s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), recipe, flags=False).values.flatten()
+    p_hat = _direct_p(s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), recipe, counts=False).values.flatten()
     # x = log2 P + log2 6; u = 1.5 x + 1.2 -> 5.08, 3.58, 2.08, 0.58 -> E2M1 6, 4, 2, 0.5
     assert p_hat[:4].tolist() == [1.0, 4 / 6, 2 / 6, 0.5 / 6]
     assert p_hat[4:].eq(0).all()
     ideal = dataclasses.replace(recipe, name="ideal", direct_p_affine=None)
-    p_ideal = _direct_p(s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), ideal, flags=False).values.flatten()
+    p_ideal = _direct_p(s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), ideal, counts=False).values.flatten()
     # 6 P = 6, 3, 1.5 are E2M1 values; 0.75 ties between 0.5 and 1 and goes to even 1
     assert p_ideal[:4].tolist() == [1.0, 0.5, 0.25, 1 / 6]
 
@@ -485,7 +485,7 @@ def test_direct_p_values_are_power_of_two_times_e2m1_over_6():
     q, k, v = qkv(1, 1, 1, 16, 64, 32, seed=52)
     s = (q @ k.transpose(-1, -2) / math.sqrt(32)).view(1, 1, 1, 1, 16, 64)
     m = s.amax(-1)
-    p_hat = _direct_p(s, m, resolve_recipe("fa4fp4_causal_mxfp4pv"), flags=False).values
+    p_hat = _direct_p(s, m, resolve_recipe("fa4fp4_causal_mxfp4pv"), counts=False).values
     blocks = p_hat.view(16, 2, 32)
     alpha = torch.exp2(torch.ceil(torch.log2(torch.exp(s - m.unsqueeze(-1)).view(16, 2, 32).amax(-1, keepdim=True))))
     codes = blocks * 6 / alpha
@@ -587,7 +587,7 @@ def test_nan_in_v_or_do_reaches_the_query_tiles_that_see_its_key(monkeypatch, el
     # Causal, 64 x 64 tiles: key 300 lies in key tile 4, which query tiles 4..7 see; a kernel
     # never visits it for query tiles 0..3, so their rows stay finite whatever the blocking.
     if elements is not None:
-        monkeypatch.setattr(attention_module, "_BLOCK_ELEMENTS", elements)
+        monkeypatch.setattr(tiling_module, "BLOCK_ELEMENTS", elements)
     q, k, v = (x.requires_grad_() for x in qkv(1, 1, 1, 512, 512, 32, seed=62))
     with torch.no_grad():
         v[0, 0, 300, 0] = math.nan

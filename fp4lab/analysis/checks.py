@@ -1,0 +1,97 @@
+"""What `attention` checks before it computes anything: every error names its argument."""
+
+from __future__ import annotations
+
+import torch
+
+from fp4lab.formats import QuantSpec, as_generator
+from fp4lab.recipes import OPERANDS, AttentionRecipe, Extent
+
+__all__ = ["check_inputs", "check_tiling", "generator_for"]
+
+
+def check_inputs(q, k, v, attn_mask) -> None:
+    """q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv): one floating dtype and device,
+    H a multiple of Hkv; attn_mask broadcastable to (B, H, Sq, Sk)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(x.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in (batch, heads, seq), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of k's heads ({k.shape[1]})")
+    if attn_mask is not None:
+        _check_mask(attn_mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
+
+
+def _check_mask(mask, shape, device) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(f"attn_mask must be boolean or floating point, got {mask.dtype}")
+    if mask.device != device:
+        raise ValueError(f"attn_mask must be on q's device {device}, got {mask.device}")
+    try:
+        torch.broadcast_shapes(mask.shape, shape)
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {shape}") from None
+    if mask.ndim > 4 or (mask.ndim == 4 and mask.shape[1] not in (1, shape[1])):
+        raise ValueError(f"attn_mask must broadcast to (B, H, Sq, Sk) = {shape}, got {tuple(mask.shape)}")
+
+
+def check_tiling(recipe: AttentionRecipe, d: int, dv: int, block_m: int, block_n: int) -> None:
+    """Tiles are positive ints; every operand's blocks tile head_dim (or cover it whole) and,
+    for P and dS, the tiles."""
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if recipe.incoherent_processing and (d & (d - 1) or d < 2):
+        raise ValueError(
+            f"head_dim={d}: recipe {recipe.name!r} rotates Q and K by a Hadamard matrix, "
+            "which needs a power of two"
+        )
+    sizes = {Extent.HEAD_DIM: d, Extent.V_DIM: dv, Extent.BLOCK_M: block_m, Extent.BLOCK_N: block_n}
+    for op in OPERANDS:
+        spec = getattr(recipe, op.field)
+        if not isinstance(spec, QuantSpec) or spec.block is None:
+            continue
+        if len(spec.block) == 1:
+            pairs = [(spec.block[0], op.along)]
+        else:
+            pairs = [(spec.block[0], op.tile_rows), (spec.block[1], op.tile_cols)]
+        for block, extent in pairs:
+            _check_divides(recipe, op.field, block, extent, sizes.get(extent))
+
+
+def _check_divides(recipe, field: str, block: int, extent: Extent, size: int | None) -> None:
+    if size is None or size % block == 0:
+        return  # a whole tensor along its sequence is padded, as fake_quantize pads it
+    if extent in (Extent.HEAD_DIM, Extent.V_DIM) and block >= size:
+        return  # one block covers the whole dimension (zero padding keeps its amax)
+    raise ValueError(
+        f"{extent.value}={size} is not a multiple of {block}, the block size of operand "
+        f"{field!r} of recipe {recipe.name!r}: its blocks cannot tile it"
+    )
+
+
+def generator_for(recipe: AttentionRecipe, generator) -> torch.Generator | None:
+    """The call's generator; a stochastic recipe without one is an error."""
+    gen = as_generator(generator)
+    if recipe.stochastic and gen is None:
+        raise ValueError(
+            f"generator: recipe {recipe.name!r} rounds stochastically; pass a torch.Generator "
+            "or an int seed (fp4lab never draws from torch's global random state)"
+        )
+    return gen

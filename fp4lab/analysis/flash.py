@@ -1,0 +1,519 @@
+"""FlashAttention with every operand of its six products quantized: the simulation path.
+
+What. `attention(q, k, v, recipe)` computes scaled dot-product attention the way a
+FlashAttention kernel does, in plain torch, with each operand of S = Q K^T, O = P V and of the
+backward's dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q quantized as an
+`AttentionRecipe` says, and it can record what quantization did, tile by tile (`Trace`).
+It is an autograd Function, so it drops into a model in place of
+`F.scaled_dot_product_attention` (and `patch_sdpa` does exactly that without editing the
+model).
+
+The algorithm, per query tile i and key tile j (FlashAttention-2, Dao 2023,
+arXiv 2307.08691, Algorithms 1 and 2):
+
+    forward                                        the recipe's part
+    S = scale * Q^_i K^_j^T (+ mask)               Q^, K^: recipe.q, recipe.k along D
+    m_i' = max(m_i, rowmax S);  P = exp(S - m_i')  the online softmax's running maximum
+    P^ = quantize P                                recipe.p_quant, recipe.p along the keys
+    l_i = e^(m_i - m_i') l_i + rowsum(P or P^)     recipe.row_sum
+    acc = e^(m_i - m_i') acc + P^ V^_j             V^: recipe.v along the keys
+    O = acc / l_i,  lse = m_i + log l_i
+
+    backward
+    P = exp(S - lse), S from Q^, K^ or Q, K        recipe.backward_p
+    D = rowsum(dO * O)                             recipe.delta
+    dV_j += P^T dO_i,  dP = dO_i V_j^T             recipe.dv_p, dv_do, dp_do, dp_v
+    dS = P * (dP - D)
+    dQ_i += scale dS K_j,  dK_j += scale dS^T Q_i  recipe.dq_ds, dq_k, dk_ds, dk_q
+
+Why a tiled simulation. The numbers a low-precision kernel produces depend on its tiling: P
+tiles are exp(S - m) with m the running row maximum, so a tile's values, and so what
+quantization flushes or clips, depend on the tiles visited before it; block scales of P and
+dS are chosen per tile; the backward rebuilds P from the forward's log-sum-exp. A dense
+reference would miss all of that.
+
+How it runs. Vectorised over batch, heads and tiles, in blocks of query tiles by key tiles
+(`tiling`), so memory grows with seq x block_n, never seq^2. Inside a block the running
+maximum each key tile sees, m_j = max(m, rowmax S_1, ..., rowmax S_j), is a cumulative
+maximum: the same values a kernel's loop holds, so P tiles, their quantization and every
+statistic are the same whatever the blocking (tested); only the order in which P^ V^ is
+summed differs (a weighted sum with weights exp(m_j - m_end) instead of repeated
+rescaling), at float rounding level. Key tiles are visited first to last, or last to first
+as FlashAttention-3's and SageAttention3's kernels do (`recipe.kv_order`).
+
+How it differs from a kernel. Arithmetic runs in the working precision (float64 for float64
+inputs, float32 otherwise) with torch's matmul, so accumulation order is not the kernel's;
+Q, K, V and dO are quantized once as whole tensors (as a kernel receives them), P and dS
+tile by tile. Quantized operands are kept dequantized (values exact, storage not).
+
+Caveats. NaN spreads as far as the recipe's blocks carry it (a NaN in one element of a
+block-scaled operand poisons its block, and with a per-tile tensor scale its whole tile),
+while with unquantized operands it reaches exactly the rows that SDPA's reaches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fp4lab.analysis import allocator
+from fp4lab.analysis.checks import check_inputs, check_tiling, generator_for
+from fp4lab.analysis.observe import BackwardTrace, ForwardTrace, begin_trace
+from fp4lab.analysis.online_softmax import OnlineSoftmax, rescale_add
+from fp4lab.analysis.p_quant import quantize_p
+from fp4lab.analysis.quantizers import Quantized, quantize_field
+from fp4lab.analysis.streams import Draws, ZeroDraws
+from fp4lab.analysis.tiling import (
+    MaskTiles,
+    TileBlock,
+    Tiling,
+    pairs,
+    t_times_query,
+    times_key,
+    zero_skipped,
+)
+from fp4lab.formats import as_generator, hadamard_matrix
+from fp4lab.recipes import (
+    AttentionRecipe,
+    BackwardMode,
+    BackwardP,
+    DeltaSource,
+    RowSum,
+    Trace,
+    resolve_recipe,
+)
+
+__all__ = ["attention", "patch_sdpa"]
+
+
+@dataclass(frozen=True)
+class CallConfig:
+    """What one attention call runs with."""
+
+    recipe: AttentionRecipe
+    causal: bool
+    scale: float  # softmax scale
+    block_m: int  # query tile
+    block_n: int  # key tile
+    generator: torch.Generator | None  # stochastic rounding's (None for deterministic recipes)
+    trace: Trace | None
+    attn_mask: torch.Tensor | None
+    seed: int | None = None  # the int seed the caller gave, if any (then the run reproduces)
+
+
+@dataclass
+class Operands:
+    """The forward's tiled operands: query side (B, Hkv, G, nQ, bm, E), key side
+    (B, Hkv, nK, bn, E)."""
+
+    q: torch.Tensor  # Q^ (Q minus its tile means with smooth_q), the scores' left operand
+    k: torch.Tensor  # K^, the scores' right operand
+    v: torch.Tensor  # V^
+    q_mean: torch.Tensor | None  # smooth_q's per-query-tile mean of Q, (B, Hkv, G, nQ, 1, D)
+    k_plain: torch.Tensor  # unquantized K, for the mean's correction term
+
+
+def _scores(ops: Operands, cfg: CallConfig, mask: MaskTiles | None, block: TileBlock):
+    """Scores of a block, before and after masking, and whether nothing in it is masked
+    (then the trace need not mask its statistics)."""
+    i0, i1, j0, j1 = block.i0, block.i1, block.j0, block.j1
+    s = pairs(ops.q[:, :, :, i0:i1], ops.k[:, :, j0:j1]).mul_(cfg.scale)  # (B, Hkv, G, n, g, bm, bn)
+    if ops.q_mean is not None:  # SageAttention2's correction term, in the working precision
+        s = s + cfg.scale * pairs(ops.q_mean[:, :, :, i0:i1], ops.k_plain[:, :, j0:j1])
+    masked = s if mask is None else mask.apply(s, block)
+    allowed = block.allowed(s.device)
+    unmasked = mask is None and bool(allowed.all())
+    return s, (masked if unmasked else masked.masked_fill(~allowed, -math.inf)), unmasked
+
+
+# -- the forward's inner step ------------------------------------------------------------------
+@dataclass
+class ForwardStep:
+    """What one block of the forward computed, for the trace."""
+
+    block: TileBlock
+    s_raw: torch.Tensor  # scores before masking
+    s: torch.Tensor  # scores after masking
+    unmasked: bool
+    p: torch.Tensor  # exp(S - m_j)
+    m_j: torch.Tensor  # the row reference of each tile, (..., n, g, bm)
+    p_hat: Quantized
+    pv: torch.Tensor  # P^ V^ per tile pair, (..., n, g, bm, Dv)
+    weights: tuple
+    skipped: torch.Tensor | None
+
+
+def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, cfg: CallConfig, mask,
+                  draws, traced: bool) -> ForwardStep:
+    recipe = cfg.recipe
+    s_raw, s, unmasked = _scores(ops, cfg, mask, block)
+    skipped = block.skipped(s.device)
+    # -- update m_i --
+    p, m_j, weights = sm.advance(s, block.t.reverse)
+    # -- quantize P --
+    p_hat = quantize_p(p, s, m_j, recipe, draws, traced, (block.i0, block.j0))
+    # -- update l_i and acc --
+    v_j = ops.v[:, :, block.j0 : block.j1]
+    pv = zero_skipped(times_key(p_hat.values, v_j), skipped)  # (B, Hkv, G, n, g, bm, Dv)
+    rescale_add(sm.l_i, weights, p_hat.values.sum(-1) if recipe.row_sum is RowSum.QUANTIZED_P else p.sum(-1))
+    rescale_add(sm.acc, weights, pv)
+    if sm.acc_prime is not None:  # Attn-QAT's O' = (P V^) / sum P
+        rescale_add(sm.acc_prime, weights, zero_skipped(times_key(p, v_j), skipped))
+        rescale_add(sm.l_prime, weights, p.sum(-1))
+    return ForwardStep(block, s_raw, s, unmasked, p, m_j, p_hat, pv, weights, skipped)
+
+
+# -- the forward -----------------------------------------------------------------------------
+def _forward_chunk(ops: Operands, cfg: CallConfig, t: Tiling, mask, chunk, draws, observer):
+    """Query tiles [i0, i1) against the blocks of key tiles they see, in visiting order;
+    returns (O, lse, O' or None) of the chunk."""
+    i0, i1, blocks = chunk
+    prime = cfg.recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT
+    sm = OnlineSoftmax.start((t.B, t.Hk, t.G, i1 - i0, t.bm), ops.v.shape[-1], ops.q, prime)
+    watch = observer.chunk(i0, i1) if observer is not None else None
+    for block in blocks:
+        step = _forward_step(ops, sm, block, cfg, mask, draws, watch is not None)
+        if watch is not None:
+            watch.step(step)
+    o, lse = sm.finish()
+    if watch is not None:
+        watch.finish(o, lse)
+    return o, lse, (sm.finish(prime=True)[0] if prime else None)
+
+
+def _forward(q, k, v, cfg: CallConfig, t: Tiling, rec):
+    """FlashAttention-2's forward over query-tile chunks; returns (O, lse tiles, O' or None,
+    saved tensors)."""
+    recipe, work = cfg.recipe, _work_dtype(q)
+    qw, kw, vw = q.to(work), k.to(work), v.to(work)
+    q_src, q_mean = _smooth_q(qw, t) if recipe.smooth_q else (qw, None)
+    traced = rec is not None
+    draws = Draws(cfg.generator, t.bm, t.bn) if recipe.stochastic else None
+    q_hat, k_hat, v_hat = (
+        quantize_field(x, recipe, field, draws, traced) for x, field in ((q_src, "q"), (kw, "k"), (vw, "v"))
+    )
+    ops = Operands(t.q_tiles(q_hat.values), t.k_tiles(k_hat.values), t.k_tiles(v_hat.values), q_mean, t.k_tiles(kw))
+    mask = MaskTiles(cfg.attn_mask, t) if cfg.attn_mask is not None else None
+    observer = None
+    if traced:
+        observer = ForwardTrace(rec, t, ops, (qw, kw, vw), (q_src, q_hat, k_hat, v_hat), cfg, mask)
+    # outputs are written into tensors allocated up front: chunk results kept alive in a list
+    # would pin malloc's heap above each block's temporaries and make it creep
+    o = qw.new_empty(t.B, t.Hk, t.G, t.nQ, t.bm, v.shape[-1])
+    lse = qw.new_empty(t.B, t.Hk, t.G, t.nQ, t.bm)
+    o_prime = torch.empty_like(o) if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else None
+    for chunk in t.chunks():
+        i0, i1 = chunk[0], chunk[1]
+        pieces = _forward_chunk(ops, cfg, t, mask, chunk, draws, observer)
+        for whole, piece in zip((o, lse, o_prime), pieces, strict=True):
+            if whole is not None:
+                whole[:, :, :, i0:i1] = piece
+        del pieces
+    saved = (q_hat.values, k_hat.values, v_hat.values, q_mean)
+    return t.q_untile(o), lse, (t.q_untile(o_prime) if o_prime is not None else None), saved
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _smooth_q(qw: torch.Tensor, t: Tiling):
+    """Q minus its mean over each query tile's rows, and that mean (B, Hkv, G, nQ, 1, D)."""
+    tiles = t.q_tiles(qw)  # (B, Hkv, G, nQ, bm, D)
+    rows = torch.arange(t.nQ * t.bm, device=qw.device).view(t.nQ, t.bm, 1) < t.Sq
+    q_mean = tiles.sum(dim=-2, keepdim=True) / rows.sum(dim=-2, keepdim=True)
+    return qw - t.q_untile(q_mean.expand_as(tiles)), q_mean
+
+
+# -- the backward's inner step -------------------------------------------------------------------
+@dataclass
+class BackwardOperands:
+    """The backward's tiled operands (layouts as `Operands`)."""
+
+    scores: Operands  # what S = Q K^T is rebuilt from
+    do_dv: torch.Tensor  # dO in dV = P^T dO, query side
+    do_dp: torch.Tensor  # dO in dP = dO V^T, query side
+    v_dp: torch.Tensor  # V in dP, key side
+    k_dq: torch.Tensor  # K in dQ = dS K, key side
+    q_dk: torch.Tensor  # Q in dK = dS^T Q, query side
+
+
+@dataclass
+class BackwardStep:
+    """What one block of the backward computed, for the trace."""
+
+    block: TileBlock
+    s: torch.Tensor  # scores after masking
+    unmasked: bool
+    lse: torch.Tensor  # (B, Hkv, G, n, 1, bm)
+    p: torch.Tensor  # exp(S - lse)
+    p_dv: Quantized  # P as dV = P^T dO consumes it
+    dp: torch.Tensor
+    ds: torch.Tensor
+    ds_dq: Quantized  # dS as dQ = dS K consumes it
+    ds_dk: Quantized  # dS as dK = dS^T Q consumes it
+    dv: torch.Tensor  # each tile pair's P^T dO, (..., n, g, bn, Dv)
+    dq: torch.Tensor  # each tile pair's dS K, (..., n, g, bm, D)
+    dk: torch.Tensor  # each tile pair's dS^T Q, (..., n, g, bn, D)
+
+
+def _backward_step(ops: BackwardOperands, cfg: CallConfig, block: TileBlock, mask, lse_c, delta_c,
+                   draws, traced: bool) -> BackwardStep:
+    recipe, i0, i1, j0, j1 = cfg.recipe, block.i0, block.i1, block.j0, block.j1
+    _, s, unmasked = _scores(ops.scores, cfg, mask, block)
+    skipped = block.skipped(s.device)
+    # -- rebuild P from the forward's lse --
+    p = (s - lse_c.unsqueeze(-1)).exp_()
+    if recipe.backward is BackwardMode.STRAIGHT_THROUGH:  # the forward's quantizer of P
+        p_dv = quantize_p(p, s, lse_c.expand(s.shape[:-1]), recipe, draws, traced, (i0, j0))
+    else:
+        p_dv = quantize_field(p, recipe, "dv_p", draws, traced, (i0, j0))
+    # -- dV_j += P^T dO_i --
+    dv = zero_skipped(t_times_query(p_dv.values, ops.do_dv[:, :, :, i0:i1]), skipped)
+    # -- dS = P * (dP - D) --
+    dp = pairs(ops.do_dp[:, :, :, i0:i1], ops.v_dp[:, :, j0:j1])
+    ds = torch.sub(dp, delta_c).mul_(p)
+    # -- dQ_i += dS K_j, dK_j += dS^T Q_i --
+    ds_dq = quantize_field(ds, recipe, "dq_ds", draws, traced, (i0, j0))
+    dq = zero_skipped(times_key(ds_dq.values, ops.k_dq[:, :, j0:j1]), skipped)
+    ds_dk = quantize_field(ds, recipe, "dk_ds", draws, traced, (i0, j0))
+    dk = zero_skipped(t_times_query(ds_dk.values, ops.q_dk[:, :, :, i0:i1]), skipped)
+    return BackwardStep(block, s, unmasked, lse_c, p, p_dv, dp, ds, ds_dq, ds_dk, dv, dq, dk)
+
+
+# -- the backward --------------------------------------------------------------------------------
+def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: CallConfig, t: Tiling, rec):
+    """FlashAttention-2's backward: dQ, dK, dV in the working precision."""
+    work = o.dtype
+    dow, qw, kw, vw = do.to(work), q.to(work), k.to(work), v.to(work)
+    # DeltaSource.OUTPUT: the output as returned, in the inputs' dtype (a kernel stores O so)
+    o_src = o_prime if cfg.recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else o.to(q.dtype).to(work)
+    delta = t.q_tiles((dow * o_src).sum(-1))  # D_i = rowsum(dO_i * O_i), (B, Hkv, G, nQ, bm)
+    draws = Draws(cfg.generator, t.bm, t.bn) if cfg.recipe.stochastic else None  # after the forward's
+    quant, ops = _backward_operands(dow, qw, kw, vw, saved, cfg, t, draws, rec is not None)
+    observer = BackwardTrace(rec, t, (qw, kw, vw, dow), quant) if rec is not None else None
+    dk = qw.new_zeros(t.B, t.Hk, t.nK, t.bn, q.shape[-1])
+    dv = qw.new_zeros(t.B, t.Hk, t.nK, t.bn, v.shape[-1])
+    dq = qw.new_zeros(t.B, t.Hk, t.G, t.nQ, t.bm, q.shape[-1])
+    mask = MaskTiles(cfg.attn_mask, t) if cfg.attn_mask is not None else None
+    for i0, i1, blocks in t.chunks():
+        lse_c = lse[:, :, :, i0:i1].unsqueeze(-2)  # (B, Hkv, G, n, 1, bm)
+        delta_c = delta[:, :, :, i0:i1, None, :, None]  # (B, Hkv, G, n, 1, bm, 1)
+        for block in blocks:
+            step = _backward_step(ops, cfg, block, mask, lse_c, delta_c, draws, observer is not None)
+            dv[:, :, block.j0 : block.j1] += step.dv.sum((2, 3))
+            dq[:, :, :, i0:i1] += cfg.scale * step.dq.sum(4)
+            dk[:, :, block.j0 : block.j1] += cfg.scale * step.dk.sum((2, 3))
+            if observer is not None:
+                observer.step(step, ops)
+    return t.q_untile(dq), t.k_untile(dk), t.k_untile(dv)
+
+
+def _backward_operands(do, q, k, v, saved, cfg: CallConfig, t: Tiling, draws, traced: bool):
+    """The backward's whole-tensor operands quantized as `recipe.backward` says: the
+    `Quantized` operands (for the trace) and their tiles."""
+    recipe = cfg.recipe
+    q_hat, k_hat, v_hat, q_mean = saved
+    if recipe.backward_p is BackwardP.QUANTIZED_QK:
+        scores = Operands(t.q_tiles(q_hat), t.k_tiles(k_hat), None, q_mean, t.k_tiles(k))
+    else:
+        scores = Operands(t.q_tiles(q), t.k_tiles(k), None, None, t.k_tiles(k))
+    if recipe.backward is BackwardMode.FLASH:
+        sources = {"do_dv": (do, "dv_do"), "do_dp": (do, "dp_do"), "v_dp": (v, "dp_v"), "k_dq": (k, "dq_k"), "q_dk": (q, "dk_q")}
+        quant = {name: quantize_field(x, recipe, field, draws, traced) for name, (x, field) in sources.items()}
+    else:  # straight through: the forward's Q^ (with its mean added back), K^, V^
+        q_eff = q_hat if q_mean is None else q_hat + t.q_untile(q_mean.expand(*q_mean.shape[:4], t.bm, q_mean.shape[-1]))
+        quant = {
+            "do_dv": Quantized(do), "do_dp": Quantized(do),
+            "v_dp": _forward_counts(v, v_hat, recipe, "v", traced),
+            "k_dq": _forward_counts(k, k_hat, recipe, "k", traced),
+            "q_dk": _forward_counts(q, q_eff, recipe, "q", traced),
+        }
+    tiler = {"do_dv": t.q_tiles, "do_dp": t.q_tiles, "v_dp": t.k_tiles, "k_dq": t.k_tiles, "q_dk": t.q_tiles}
+    ops = BackwardOperands(scores=scores, **{name: tiler[name](quant[name].values) for name in quant})
+    return quant, ops
+
+
+def _forward_counts(x, x_hat, recipe: AttentionRecipe, field: str, traced: bool) -> Quantized:
+    """The forward's quantized operand, with its trace counts recomputed (with zero draws:
+    the counts never depend on stochastic rounding's draws)."""
+    if not traced:
+        return Quantized(x_hat)
+    return Quantized(x_hat, quantize_field(x, recipe, field, ZeroDraws(), True).counts)
+
+
+# -- the autograd Function ---------------------------------------------------------------------
+class _FlashAttention(torch.autograd.Function):
+    """Forward and backward of `attention` (inputs already transformed by `_transform_qk`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cfg: CallConfig):
+        t = Tiling(
+            B=q.shape[0], H=q.shape[1], Hk=k.shape[1], Sq=q.shape[2], Sk=k.shape[2],
+            bm=cfg.block_m, bn=cfg.block_n, causal=cfg.causal,
+        )
+        scores = t.B * t.H * t.Sq * t.Sk
+        allocator.settle(q.device, scores)
+        rec = begin_trace(cfg, t, q, v)
+        o, lse, o_prime, saved = _forward(q, k, v, cfg, t, rec)
+        allocator.trim(q.device, scores)
+        ctx.save_for_backward(q, k, v, o, lse, o_prime, *saved)
+        ctx.cfg, ctx.tiling, ctx.rec = cfg, t, rec
+        return o.to(q.dtype, copy=True)  # not a view of o: a caller may modify it in place
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        t = ctx.tiling
+        scores = t.B * t.H * t.Sq * t.Sk
+        allocator.settle(do.device, scores)
+        q, k, v, o, lse, o_prime, *saved = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, o_prime, saved, ctx.cfg, t, ctx.rec)
+        allocator.trim(do.device, scores)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _transform_qk(q, k, recipe: AttentionRecipe):
+    """Softmax-invariant rewrites applied before the kernel (differentiable torch ops)."""
+    if recipe.incoherent_processing:  # FlashAttention-3, Sec. 3.3: (Q H)(K H)^T = Q K^T
+        h = hadamard_matrix(q.shape[-1], recipe.incoherent_seed, torch.float64).to(q.device)
+        q, k = (q.to(torch.float64) @ h).to(q.dtype), (k.to(torch.float64) @ h).to(k.dtype)
+    if recipe.smooth_k:  # SageAttention: each row of S shifts by q_i . mean(K)
+        k = k - k.mean(dim=-2, keepdim=True)
+    return q, k
+
+
+# -- the public entry --------------------------------------------------------------------------
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    recipe: AttentionRecipe | str = "exact",
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    trace: Trace | None = None,
+    generator: torch.Generator | int | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention, FlashAttention-style, with quantized operands.
+
+    Computes softmax(scale * Q K^T + mask) V for q (B, H, Sq, D), k (B, Hkv, Sk, D) and
+    v (B, Hkv, Sk, Dv) and returns (B, H, Sq, Dv) in q's dtype, like
+    `F.scaled_dot_product_attention`, with a backward, so it replaces SDPA in a model. H must
+    be a multiple of Hkv: query head h uses key/value head h // (H / Hkv) (grouped-query
+    attention in SDPA's ``enable_gqa=True`` layout). Each operand of the six products is
+    quantized as `recipe` says; with the "exact" recipe this is FlashAttention-2 itself. The
+    module docstring gives the algorithm.
+
+    Example::
+
+        trace = Trace()
+        out = attention(q, k, v, "fa4fp4_causal", causal=True, trace=trace)
+        out.backward(do)
+        frame = trace.to_frame()  # one row per (product, batch, head, q tile, k tile)
+        frame[frame["product"] == "dv"].pivot_table("b_flushed", "q_tile", "k_tile")
+
+    Args:
+        q, k, v: floating-point tensors of one dtype and device. float64 inputs are computed
+            in float64, all others in float32 (and returned in their own dtype); model
+            float32 accumulation with float32 inputs.
+        recipe: an `AttentionRecipe` or a registered name: a preset of `fp4lab.recipes`
+            (each preset's ``doc`` cites its source and assumptions), a recipe the user
+            registered with `fp4lab.formats.register`, or the name of a number or block
+            format, meaning it on every operand ("nvfp4").
+        causal: the causal mask aligned top-left exactly as SDPA's ``is_causal``: query i
+            sees keys j <= i, whatever Sq and Sk. Pairs of tiles in which no query can see
+            a key are skipped, as a kernel skips them (or, inside a block, contribute
+            nothing), and are absent from the trace.
+        scale: softmax scale; 1 / sqrt(D) by default.
+        trace: a `Trace` that records per-tile statistics of this call: the forward's now,
+            the backward's when backward() runs.
+        generator: torch.Generator or int seed for stochastic rounding, required when the
+            recipe rounds stochastically and recorded in the trace. The forward draws one key
+            from it and the backward another after it, so one seed reproduces forward and
+            backward bit for bit; every element's draw then depends on its position only,
+            not on the batch size, the number of heads or how fp4lab chunks the work
+            (`fp4lab.analysis.streams`).
+        block_m, block_n: query and key tile sizes, FlashAttention's Br and Bc (positive;
+            multiples of the blocks P and dS are quantized in along them). Tiles need not
+            divide Sq and Sk.
+        attn_mask: optional mask broadcastable to (B, H, Sq, Sk), boolean (True takes part)
+            or additive float, as SDPA's; it gets no gradient.
+
+    Fully masked rows (a boolean mask that excludes every key of a row, or Sk = 0) give an
+    output row of zeros and zero gradients, as SDPA's CPU and flash kernels do. NaN in q or
+    k reaches the rows that attend to it; NaN in v reaches every row of each query tile that
+    sees its key (a masked-out zero of P times NaN is NaN in the tile's product, so with a
+    causal mask a few earlier rows of that tile turn NaN too; SDPA's math backend spreads it
+    further). Through quantization it also reaches the rows that share a block (or a tensor
+    scale) with it; the trace counts it.
+
+    Raises:
+        TypeError: q, k, v not floating-point tensors of one dtype; a recipe of a wrong type.
+        ValueError: shapes that do not agree, different devices, an unknown recipe, a
+            head_dim or tile size the recipe's blocks cannot tile, a stochastic recipe
+            without a generator, a bad attn_mask.
+    """
+    recipe = resolve_recipe(recipe)
+    check_inputs(q, k, v, attn_mask)
+    check_tiling(recipe, q.shape[-1], v.shape[-1], block_m, block_n)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    gen = generator_for(recipe, generator)
+    if q.shape[2] == 0:  # no queries: an empty output, still connected to the inputs' graph
+        return q.new_zeros(*q.shape[:3], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
+    q, k = _transform_qk(q, k, recipe)
+    cfg = CallConfig(
+        recipe=recipe, causal=bool(causal), scale=float(scale), block_m=block_m,
+        block_n=block_n, generator=gen, trace=trace, attn_mask=attn_mask,
+        seed=generator if isinstance(generator, int) and not isinstance(generator, bool) else None,
+    )
+    return _FlashAttention.apply(q, k, v, cfg)
+
+
+@contextlib.contextmanager
+def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **options):
+    """Route `torch.nn.functional.scaled_dot_product_attention` through `attention`.
+
+    Inside the ``with`` block every SDPA call (its query, key, value, attn_mask, is_causal,
+    scale and enable_gqa) runs `attention` with `recipe`, recording into `trace` (one call
+    index per SDPA call, so per layer); `options` (generator, block_m, block_n) are passed
+    on; an int seed becomes one torch.Generator for the whole block, so successive calls
+    (layers, steps) draw fresh stochastic-rounding noise from one reproducible stream. 3-D
+    inputs (N, L, E) are treated as one head. dropout_p > 0 raises ValueError: the
+    simulation has no dropout. Calls that look the function up on `torch.nn.functional`
+    when they run are routed (nn.MultiheadAttention, most model code); a module that bound
+    the function to its own name before the block keeps calling the original.
+    """
+    recipe = resolve_recipe(recipe)
+    original = F.scaled_dot_product_attention
+    if "generator" in options:  # one stream for all calls: an int seed would repeat its draws
+        options["generator"] = as_generator(options["generator"])
+
+    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p:
+            raise ValueError(f"dropout_p={dropout_p}: fp4lab's attention has no dropout; set it to 0")
+        if query.shape[-3] != key.shape[-3] and query.ndim == 4 and not enable_gqa:
+            raise ValueError("query and key have different head counts; SDPA needs enable_gqa=True for that")
+        squeeze = query.ndim == 3
+        if squeeze:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            attn_mask = attn_mask.unsqueeze(1) if attn_mask is not None and attn_mask.ndim == 3 else attn_mask
+        out = attention(
+            query, key, value, recipe, causal=is_causal, scale=scale, trace=trace,
+            attn_mask=attn_mask, **options,
+        )
+        return out.squeeze(1) if squeeze else out
+
+    F.scaled_dot_product_attention = routed
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

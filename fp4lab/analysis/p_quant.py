@@ -1,0 +1,76 @@
+"""How the forward turns a probability tile P = exp(S - m) into the P^ that P V consumes.
+
+m is the row reference of the online softmax (its running maximum), so a tile's values
+depend on the tiles visited before it, as in a kernel. Three ways, one per `PQuant` member:
+
+- SPEC: the recipe's `p` format along the keys, after the recipe's lift (`quantize_field`);
+- ROW_SCALED: two-level P, each row of the tile scaled so that its maximum maps to the
+  largest value the `p` format represents, quantized, and scaled back;
+- DIRECT: Direct-P, E2M1 codes computed from the scores themselves.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fp4lab.analysis.quantizers import Quantized, quantize_field, quantize_operand, stochastic
+from fp4lab.formats import round_to_format
+from fp4lab.recipes import AttentionRecipe, PQuant
+
+__all__ = ["quantize_p"]
+
+_LOG2E = math.log2(math.e)
+
+
+def quantize_p(p, s, m_row, recipe: AttentionRecipe, draws, counts: bool, at) -> Quantized:
+    """P^ from P = exp(S - m_row) as `recipe.p_quant` says, for a block of tiles
+    (..., bm, bn) whose first tile is `at`; S are the scores, m_row (..., bm)."""
+    if recipe.p_quant is PQuant.SPEC:
+        return quantize_field(p, recipe, "p", draws, counts, at)
+    if recipe.p_quant is PQuant.ROW_SCALED:
+        return _row_scaled_p(p, recipe, draws, counts, at)
+    return _direct_p(s, m_row, recipe, counts)
+
+
+def _row_scaled_p(p, recipe: AttentionRecipe, draws, counts: bool, at) -> Quantized:
+    """Two-level P: r_i = (M_e * M_s) / max_j P_ij per row of the tile (float32, unrounded),
+    P^ = q(r P) / r."""
+    top = recipe.p.element.max * recipe.p.scale.max
+    rowmax = p.amax(dim=-1, keepdim=True)
+    r = torch.where(rowmax > 0, top / rowmax, torch.ones_like(rowmax))
+    noise = draws.for_operand("p", p, at) if stochastic(recipe.p) else None
+    out = quantize_operand(p * r, recipe.p, axis=-1, per_tile=True, counts=counts, noise=noise)
+    return Quantized(out.values / r, out.counts)
+
+
+def _direct_p(s, m_row, recipe: AttentionRecipe, counts: bool) -> Quantized:
+    """Direct-P (fp4-fa4 technical report, Sec. 4): E2M1 codes straight from the scores.
+
+    Per block B of n keys: e_B = ceil(log2 max_j P_ij), x = (z - m) log2(e) - e_B + log2(M_e),
+    q = E2M1(2^x) or E2M1(max(0, A x + B)); the represented P is 2^e_B q / M_e.
+    """
+    spec = recipe.p
+    n, m_e = spec.block[0], spec.element.max
+    z = (s - m_row.unsqueeze(-1)) * _LOG2E  # log2 P, (..., bm, bn)
+    zb = z.reshape(*z.shape[:-1], -1, n)  # (..., bm, bn / n, n)
+    lo, hi = math.log2(spec.scale.min_subnormal), math.log2(spec.scale.max)
+    e_b = torch.ceil(zb.amax(dim=-1, keepdim=True)).clamp(lo, hi)
+    x = zb - e_b + math.log2(m_e)
+    if recipe.direct_p_affine is None:
+        u = torch.exp2(x)
+    else:
+        a, b = recipe.direct_p_affine
+        u = (a * x + b).clamp(min=0)
+    codes = round_to_format(u, spec.element)
+    p_hat = (torch.exp2(e_b) * codes / m_e).reshape(z.shape)
+    found = None
+    if counts:  # codes past M_e; e_B clamped at the scale format's bottom (no overflow)
+        seen = zb.amax(dim=-1) > -math.inf
+        under = ((e_b.squeeze(-1) == lo) & seen).sum((-2, -1))
+        found = {
+            "clipped": (u > m_e).sum((-3, -2, -1)), "blocks": seen.sum((-2, -1)),
+            "scale_underflow": under, "scale_overflow": torch.zeros_like(under),
+        }
+    return Quantized(p_hat, found)

@@ -1,0 +1,133 @@
+"""How attention quantizes one operand: fp4lab.formats' pipeline, along the right axis.
+
+`quantize_operand(x, spec, axis=...)` is `fake_quantize(lift * x, spec) / lift` with the
+operand's own rules: a `FloatFormat` is an element-wise cast (nearest even, saturating), a
+`QuantSpec` is block quantization along `axis` (2-D tiles on the tensor's last two dims as
+they lie), and None leaves x as it is. A per-tile operand (P, dS: ``per_tile=True``) takes
+a tensor scale of its spec per tile, as a fused kernel must, where a whole tensor (Q, K, V,
+dO) takes it over the whole tensor. With ``counts=True`` it also returns what the trace
+counts: clipped elements and the blocks whose scale left its format's range.
+
+`quantize_field(x, recipe, field, ...)` applies this to the recipe's operand `field` with the
+facts of the operand table (`fp4lab.recipes.operands`): its axis, per tile or not, its lift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from fp4lab.analysis.tile_stats import exact_count
+from fp4lab.formats import FloatFormat, QuantSpec, Rounding, quantize_blocks, round_to_format
+from fp4lab.recipes import AttentionRecipe, operand
+
+__all__ = ["Quantized", "quantize_operand", "quantize_field", "stochastic"]
+
+# Relative slack when judging a block scale out of its format's range: NVFP4's tensor scale
+# maps the tensor amax to exactly 448 up to float32 rounding, which is not an overflow.
+_SLACK = 2.0**-20
+
+
+@dataclass
+class Quantized:
+    """An operand after quantization and, when asked, its trace counts.
+
+    `counts` holds "clipped" (elements past the block's largest value), "blocks" (blocks
+    holding a nonzero), "scale_underflow" and "scale_overflow" (such blocks whose scale left
+    its format's range): counts per tile for a per-tile operand, boolean tensors of the
+    operand's shape for a whole tensor (a block marked at its first element); entries are
+    None where there are no scales.
+    """
+
+    values: torch.Tensor
+    counts: dict | None = None
+
+
+def stochastic(spec) -> bool:
+    """Whether an operand's format rounds stochastically (then it needs draws)."""
+    return isinstance(spec, QuantSpec) and spec.rounding is Rounding.STOCHASTIC
+
+
+def quantize_operand(
+    x: torch.Tensor,
+    spec: QuantSpec | FloatFormat | None,
+    *,
+    axis: int,
+    per_tile: bool = False,
+    lift: float = 1.0,
+    counts: bool = False,
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | int | None = None,
+) -> Quantized:
+    """Quantize one operand as attention does: ``fake_quantize(x * lift, spec) / lift``.
+
+    x is a whole tensor or, with `per_tile`, a batch of tiles (its last two dims).
+    Stochastic rounding uses `noise` (uniforms of x's shape) or draws from `generator`.
+    See the module docstring.
+    """
+    if spec is None:
+        return Quantized(x, None)
+    xs = x * lift if lift != 1.0 else x
+    if isinstance(spec, FloatFormat):
+        values = round_to_format(xs, spec)
+        found = None
+        if counts:
+            clipped = xs.abs() > spec.max
+            found = {"clipped": clipped.sum((-2, -1)) if per_tile else clipped}
+    else:
+        values, found = _block_quantize(xs, spec, axis, per_tile, counts, noise, generator)
+    if lift != 1.0:
+        values = values / lift
+    return Quantized(values, found)
+
+
+def quantize_field(x, recipe: AttentionRecipe, field: str, draws, counts: bool, at=None) -> Quantized:
+    """Operand `field` of `recipe`, along its product's reduction axis; a stochastic spec
+    rounds with `draws` (a `streams.Draws`) at the operand's position: a tile tensor's first
+    (query tile, key tile) `at`, or a whole tensor."""
+    spec, op = getattr(recipe, field), operand(field)
+    return quantize_operand(
+        x, spec, axis=op.axis, per_tile=op.per_tile,
+        lift=getattr(recipe, op.lift) if op.lift else 1.0, counts=counts,
+        noise=draws.for_operand(field, x, at) if stochastic(spec) else None,
+    )
+
+
+def _block_quantize(x, spec: QuantSpec, axis: int, per_tile: bool, counts: bool, noise, generator):
+    """fp4lab.formats' quantize pipeline and its dequantization (`quantize_blocks`), with the
+    tensor scale taken over the whole of x or, with per_tile, over each tile (the last two
+    dims: batch_dims = x.ndim - 2)."""
+    if spec.block is not None and len(spec.block) == 2:
+        axis = -1  # 2-D tiles lie on the natural layout
+    elif spec.block is None and per_tile:
+        if spec.hadamard is not None:
+            raise ValueError(f"spec {spec.name!r}: a per-tile scale does not combine with a Hadamard transform")
+        # one scale per tile: a 2-D block covering the tile (then the counts' sums below hold)
+        spec, axis = dataclasses.replace(spec, block=tuple(x.shape[-2:])), -1
+    batch_dims = x.ndim - 2 if per_tile and spec.tensor_scale else 0
+    b = quantize_blocks(x, spec, axis=axis, batch_dims=batch_dims, noise=noise, generator=generator)
+    found = _counts(b.scaled, b.amax, b.decode, spec, b.layout, per_tile) if counts else None
+    return b.dequantize(x.dtype), found
+
+
+def _counts(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dict:
+    """The trace's counts (see `Quantized`) from the scaled elements (blocks, before
+    rounding; overwritten here) and the block amax."""
+    d = decode if decode is not None else torch.ones((), dtype=torch.float32)
+    clipped = scaled.abs_().sub_(spec.element.max).clamp_(min=0).sign_()  # |x| > M_e s d: saturated
+    ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
+    blocks = {
+        "blocks": amax > 0,
+        "scale_underflow": (amax > 0) & (ideal < spec.scale.min_subnormal * (1 - _SLACK)),
+        "scale_overflow": ideal > spec.scale.max * (1 + _SLACK),
+    }
+    if per_tile:  # a tile is the last two block dims
+        return {"clipped": exact_count(clipped, (-3, -2, -1)), **{k: v.sum((-2, -1)) for k, v in blocks.items()}}
+    marks = {}
+    for name, flag in blocks.items():  # each block marked at its first element
+        mark = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
+        mark[..., 0] = flag
+        marks[name] = layout.from_blocks(mark)
+    return {"clipped": layout.from_blocks(clipped.bool()), **marks}
