@@ -31,8 +31,8 @@ def attention(
     scale: float | None = None,
     trace: Trace | None = None,
     generator: torch.Generator | int | None = None,
-    block_m: int = 128,
-    block_n: int = 128,
+    block_m: int | None = None,
+    block_n: int | None = None,
     attn_mask: torch.Tensor | None = None,
     backend: str = "reference",
 ) -> torch.Tensor:

@@ -20,12 +20,11 @@ import fp4lab
 from fp4lab.analysis.compare import compare, saturation
 from fp4lab.analysis.inputs import SyntheticConfig, load_inputs, synthetic_inputs
 from fp4lab.analysis.quant_error import INPUT_KINDS, error_report
-from fp4lab.recipes import OPERAND_COLUMNS, OUT_COLUMNS, PRODUCT_COLUMNS, AttentionRecipe, resolve_recipe
+from fp4lab.recipes import STATISTICS, AttentionRecipe, resolve_recipe
 from fp4lab.formats.tables import formats_frame, recipes_frame, to_markdown
 
 DEFAULT_ERROR_SPECS = ["mxfp4", "mxfp4_rceil", "nvfp4", "nvfp4_ue5m3", "mxfp8_e4m3", "fp8_e4m3_tensor"]
 DEFAULT_ATTENTION_RECIPES = ["fa4fp4_causal", "fa4fp4_causal_mxfp4pv"]
-TRACE_STATISTICS = (*(f"{side}_{c}" for side in "ab" for c in OPERAND_COLUMNS), *PRODUCT_COLUMNS, *OUT_COLUMNS)
 _SIZE_OPTIONS = {"seq": 512, "heads": 2, "head_dim": 64, "batch": 1}  # defaults of the synthetic input
 
 
@@ -63,7 +62,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
     recipes = [resolve_recipe(name) for name in args.recipe or DEFAULT_ATTENTION_RECIPES]
     inputs = _attention_inputs(args)
     print(f"Attention errors against exact float64 attention ({'causal' if args.causal else 'non-causal'}, "
-          f"seed {args.seed}, tiles {args.block_m}x{args.block_n})")
+          f"seed {args.seed}, tiles {_tiles(args)})")
     print(f"  inputs: {_describe_inputs(inputs)}")
     runs = [
         compare(inputs.q, inputs.k, inputs.v, inputs.do, recipe, causal=args.causal,
@@ -72,8 +71,8 @@ def cmd_attention(args: argparse.Namespace) -> int:
     ]
     errors = pd.concat([run.errors for run in runs], ignore_index=True)
     traces = pd.concat([run.trace.to_frame() for run in runs], ignore_index=True)
-    if args.heatmap not in TRACE_STATISTICS:
-        raise ValueError(f"--heatmap: {args.heatmap!r} is not a trace statistic; one of {', '.join(TRACE_STATISTICS)}")
+    if args.heatmap not in STATISTICS:
+        raise ValueError(f"--heatmap: {args.heatmap!r} is not a trace statistic; one of {', '.join(STATISTICS)}")
     figures = saturation(traces)
     _print_frame(errors, args.markdown, digits=4)
     print("\nSaturation per operand (means over tiles; p_mass_lost: probability mass flushed per query row)")
@@ -82,6 +81,12 @@ def cmd_attention(args: argparse.Namespace) -> int:
     _write_results(out, args, inputs, recipes, runs, errors, figures, traces)
     print(f"\nWrote errors.csv, saturation.csv, trace.parquet, heatmap-<recipe>.png and config.json to {out}")
     return 0
+
+
+def _tiles(args: argparse.Namespace) -> str:
+    if args.block_m is None and args.block_n is None:
+        return "each recipe's own"
+    return f"{args.block_m or 'recipe'}x{args.block_n or 'recipe'}"
 
 
 def _attention_inputs(args: argparse.Namespace):
@@ -206,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="results folder (default results/attention-<time>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic input, of dO if the file has none, "
                    "and of stochastic rounding")
-    p.add_argument("--block-m", type=int, default=128, help="query tile")
-    p.add_argument("--block-n", type=int, default=128, help="key tile")
+    p.add_argument("--block-m", type=int, help="query tile (default: the recipe's, else 128)")
+    p.add_argument("--block-n", type=int, help="key tile (default: the recipe's, else 128)")
     p.add_argument("--heatmap", default="prod_err", help="trace column the per-recipe heatmaps show")
     p.add_argument("--markdown", action="store_true", help="print markdown tables")
     p.set_defaults(run=cmd_attention)

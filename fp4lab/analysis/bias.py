@@ -51,6 +51,7 @@ import torch
 from scipy import stats
 
 from fp4lab.analysis.compare import exact_reference, forward_backward
+from fp4lab.analysis.flash import tiles_for
 from fp4lab.recipes import AttentionRecipe, resolve_recipe
 
 __all__ = ["GradientBias", "gradient_bias", "derive_seeds"]
@@ -103,8 +104,8 @@ def gradient_bias(
     seed: int = 0,
     causal: bool = False,
     scale: float | None = None,
-    block_m: int = 128,
-    block_n: int = 128,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> GradientBias:
     """Mean gradient of `recipe` over `samples` stochastic-rounding draws against the exact
     float64 gradient: per-tensor and per-tile bias, standard error and t-statistic, and the
@@ -119,6 +120,7 @@ def gradient_bias(
         causal, scale, block_m, block_n: as for `attention`.
     """
     recipe = resolve_recipe(recipe)
+    block_m, block_n = tiles_for(recipe, block_m, block_n)
     n = _check_samples(samples, recipe)
     seeds = derive_seeds(seed, n)
     options = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fp4lab.formats import QuantSpec, as_generator
-from fp4lab.recipes import OPERANDS, AttentionRecipe, Extent
+from fp4lab.recipes import OPERANDS, AttentionRecipe, Extent, RowReference
 
 __all__ = ["check_inputs", "check_tiling", "generator_for"]
 
@@ -61,6 +61,11 @@ def check_tiling(recipe: AttentionRecipe, d: int, dv: int, block_m: int, block_n
         raise ValueError(
             f"head_dim={d}: recipe {recipe.name!r} rotates Q and K by a Hadamard matrix, "
             "which needs a power of two"
+        )
+    if recipe.row_reference is RowReference.ANCHOR and recipe.anchor_keys > block_n:
+        raise ValueError(
+            f"block_n={block_n}: recipe {recipe.name!r} anchors each row on its first "
+            f"{recipe.anchor_keys} keys, which must lie in the first key tile"
         )
     sizes = {Extent.HEAD_DIM: d, Extent.V_DIM: dv, Extent.BLOCK_M: block_m, Extent.BLOCK_N: block_n}
     for op in OPERANDS:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from fp4lab.analysis.flash import attention
-from fp4lab.recipes import AttentionRecipe, Product, Trace, resolve_recipe
+from fp4lab.analysis.flash import attention, tiles_for
+from fp4lab.recipes import OPERAND_COLUMNS, AttentionRecipe, Product, Trace, resolve_recipe
 
 __all__ = ["Comparison", "compare", "exact_reference", "error_metrics", "forward_backward", "saturation",
            "TENSORS"]
@@ -73,8 +73,8 @@ def compare(
     scale: float | None = None,
     generator: torch.Generator | int | None = None,
     trace: Trace | bool = True,
-    block_m: int = 128,
-    block_n: int = 128,
+    block_m: int | None = None,
+    block_n: int | None = None,
     attn_mask: torch.Tensor | None = None,
 ) -> Comparison:
     """Errors of `recipe`'s O, dQ, dK, dV against exact float64 attention on the same inputs.
@@ -92,6 +92,7 @@ def compare(
         A `Comparison` (errors DataFrame, trace, settings).
     """
     recipe = resolve_recipe(recipe)
+    block_m, block_n = tiles_for(recipe, block_m, block_n)
     if not isinstance(do, torch.Tensor) or do.shape != (*q.shape[:-1], v.shape[-1]):
         got = tuple(do.shape) if isinstance(do, torch.Tensor) else type(do).__name__
         raise ValueError(f"do must be a tensor of shape (B, H, Sq, Dv) = {(*q.shape[:-1], v.shape[-1])}, got {got}")
@@ -163,7 +164,7 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
     return 0.0 if num == 0 else float("inf")
 
 
-_SIDES = ("err", "flushed", "clipped", "scale_underflow", "scale_overflow")
+_SIDES = tuple(c for c in OPERAND_COLUMNS if c != "nan")  # the saturation figures
 
 
 def saturation(trace: Trace | pd.DataFrame) -> pd.DataFrame:

@@ -81,13 +81,18 @@ from fp4lab.recipes import (
     AttentionRecipe,
     BackwardMode,
     BackwardP,
+    BackwardV,
     DeltaSource,
+    DsP,
+    KVOrder,
+    RowReference,
     RowSum,
+    SmoothK,
     Trace,
     resolve_recipe,
 )
 
-__all__ = ["attention", "patch_sdpa"]
+__all__ = ["attention", "patch_sdpa", "tiles_for"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,7 @@ class Operands:
     v: torch.Tensor  # V^
     q_mean: torch.Tensor | None  # smooth_q's per-query-tile mean of Q, (B, Hkv, G, nQ, 1, D)
     k_plain: torch.Tensor  # unquantized K, for the mean's correction term
+    v_plain: torch.Tensor | None = None  # unquantized V, for the leakage fix's diagonal blocks
 
 
 def _scores(ops: Operands, cfg: CallConfig, mask: MaskTiles | None, block: TileBlock):
@@ -155,10 +161,15 @@ def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, cfg: CallC
     # -- update m_i --
     p, m_j, weights = sm.advance(s, block.t.reverse)
     # -- quantize P --
-    p_hat = quantize_p(p, s, m_j, recipe, draws, traced, (block.i0, block.j0))
+    p_hat, diagonal = _forward_p(p, s, m_j, cfg, draws, traced, block)
     # -- update l_i and acc --
     v_j = ops.v[:, :, block.j0 : block.j1]
-    pv = zero_skipped(times_key(p_hat.values, v_j), skipped)  # (B, Hkv, G, n, g, bm, Dv)
+    if diagonal is None:
+        pv = times_key(p_hat.values, v_j)  # (B, Hkv, G, n, g, bm, Dv)
+    else:  # the leakage fix: P's diagonal blocks times V's, unquantized
+        pv = times_key(p_hat.values.masked_fill(diagonal, 0), v_j)
+        pv += times_key(p.masked_fill(~diagonal, 0), ops.v_plain[:, :, block.j0 : block.j1])
+    zero_skipped(pv, skipped)
     rescale_add(sm.l_i, weights, p_hat.values.sum(-1) if recipe.row_sum is RowSum.QUANTIZED_P else p.sum(-1))
     rescale_add(sm.acc, weights, pv)
     if sm.acc_prime is not None:  # Attn-QAT's O' = (P V^) / sum P
@@ -167,22 +178,63 @@ def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, cfg: CallC
     return ForwardStep(block, s_raw, s, unmasked, p, m_j, p_hat, pv, weights, skipped)
 
 
+def _forward_p(p, s, m_j, cfg: CallConfig, draws, traced: bool, block: TileBlock):
+    """The P^ the forward's P V consumes, and the leakage fix's diagonal mask (or None):
+    the recipe's quantizer of P, with P's diagonal blocks left unquantized by the fix."""
+    p_hat = quantize_p(p, s, m_j, cfg.recipe, draws, traced, (block.i0, block.j0))
+    diagonal = _diagonal_blocks(block, cfg, s.device)
+    if diagonal is not None:
+        p_hat = Quantized(torch.where(diagonal, p, p_hat.values), p_hat.counts)
+    return p_hat, diagonal
+
+
+def _diagonal_blocks(block: TileBlock, cfg: CallConfig, device) -> torch.Tensor | None:
+    """(n, g, bm, bn) bool: the entries whose query and key fall in the same block of V's
+    (along the sequence), where the leakage fix keeps P and V unquantized; None without it."""
+    if not (cfg.recipe.leakage_fix and cfg.causal):
+        return None
+    t, size = block.t, cfg.recipe.leakage_block
+    rows = torch.arange(block.i0 * t.bm, block.i1 * t.bm, device=device).view(-1, 1, t.bm, 1)
+    cols = torch.arange(block.j0 * t.bn, block.j1 * t.bn, device=device).view(1, -1, 1, t.bn)
+    return rows // size == cols // size
+
+
 # -- the forward -----------------------------------------------------------------------------
-def _forward_chunk(ops: Operands, cfg: CallConfig, t: Tiling, mask, chunk, draws, observer):
+def _forward_chunk(ops: Operands, cfg: CallConfig, t: Tiling, mask, chunk, draws, observer, m_ref):
     """Query tiles [i0, i1) against the blocks of key tiles they see, in visiting order;
-    returns (O, lse, O' or None) of the chunk."""
+    returns (O, lse, O' or None) of the chunk and writes each tile's row reference into
+    `m_ref` (B, Hkv, G, nQ, bm, nK) when given."""
     i0, i1, blocks = chunk
-    prime = cfg.recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT
-    sm = OnlineSoftmax.start((t.B, t.Hk, t.G, i1 - i0, t.bm), ops.v.shape[-1], ops.q, prime)
+    recipe = cfg.recipe
+    prime = recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT
+    shape = (t.B, t.Hk, t.G, i1 - i0, t.bm)
+    fixed_m = None
+    if recipe.row_reference is RowReference.ZERO:
+        fixed_m = ops.q.new_zeros(shape)
+    elif recipe.row_reference is RowReference.ANCHOR:
+        fixed_m = _anchor(ops, cfg, t, mask, i0, i1)
+    lazy = recipe.lazy_rescale_log2 if recipe.row_reference is RowReference.LAZY_MAX else None
+    sm = OnlineSoftmax.start(shape, ops.v.shape[-1], ops.q, prime, fixed_m, lazy)
     watch = observer.chunk(i0, i1) if observer is not None else None
     for block in blocks:
         step = _forward_step(ops, sm, block, cfg, mask, draws, watch is not None)
+        if m_ref is not None:
+            m_ref[:, :, :, i0:i1, :, block.j0 : block.j1] = step.m_j.transpose(-1, -2)
         if watch is not None:
             watch.step(step)
     o, lse = sm.finish()
     if watch is not None:
         watch.finish(o, lse)
     return o, lse, (sm.finish(prime=True)[0] if prime else None)
+
+
+def _anchor(ops: Operands, cfg: CallConfig, t: Tiling, mask, i0: int, i1: int) -> torch.Tensor:
+    """fp4-fa4's anchor row reference of query tiles [i0, i1): each row's largest score over
+    its first `anchor_keys` keys (after the masks), plus the margin in scaled units; rows
+    that see none of them get -inf (then the reference is 0)."""
+    s = _scores(ops, cfg, mask, TileBlock(t, i0, i1, 0, 1))[1]  # (B, Hkv, G, n, 1, bm, bn)
+    top = s[..., 0, :, : cfg.recipe.anchor_keys].amax(dim=-1)  # (B, Hkv, G, n, bm)
+    return top + cfg.recipe.anchor_margin * cfg.scale
 
 
 def _forward(q, k, v, cfg: CallConfig, t: Tiling, rec):
@@ -196,7 +248,11 @@ def _forward(q, k, v, cfg: CallConfig, t: Tiling, rec):
     q_hat, k_hat, v_hat = (
         quantize_field(x, recipe, field, draws, traced) for x, field in ((q_src, "q"), (kw, "k"), (vw, "v"))
     )
-    ops = Operands(t.q_tiles(q_hat.values), t.k_tiles(k_hat.values), t.k_tiles(v_hat.values), q_mean, t.k_tiles(kw))
+    v_plain = t.k_tiles(vw) if recipe.leakage_fix and cfg.causal else None
+    ops = Operands(
+        t.q_tiles(q_hat.values), t.k_tiles(k_hat.values), t.k_tiles(v_hat.values), q_mean,
+        t.k_tiles(kw), v_plain,
+    )
     mask = MaskTiles(cfg.attn_mask, t) if cfg.attn_mask is not None else None
     observer = None
     if traced:
@@ -206,15 +262,19 @@ def _forward(q, k, v, cfg: CallConfig, t: Tiling, rec):
     o = qw.new_empty(t.B, t.Hk, t.G, t.nQ, t.bm, v.shape[-1])
     lse = qw.new_empty(t.B, t.Hk, t.G, t.nQ, t.bm)
     o_prime = torch.empty_like(o) if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else None
+    # the row reference each key tile saw, for a backward that replays the forward's P^
+    m_ref = None
+    if traced or recipe.backward is BackwardMode.FORWARD_EXACT:
+        m_ref = qw.new_zeros(t.B, t.Hk, t.G, t.nQ, t.bm, t.nK)
     for chunk in t.chunks():
         i0, i1 = chunk[0], chunk[1]
-        pieces = _forward_chunk(ops, cfg, t, mask, chunk, draws, observer)
+        pieces = _forward_chunk(ops, cfg, t, mask, chunk, draws, observer, m_ref)
         for whole, piece in zip((o, lse, o_prime), pieces, strict=True):
             if whole is not None:
                 whole[:, :, :, i0:i1] = piece
         del pieces
-    saved = (q_hat.values, k_hat.values, v_hat.values, q_mean)
-    return t.q_untile(o), lse, (t.q_untile(o_prime) if o_prime is not None else None), saved
+    saved = (q_hat.values, k_hat.values, v_hat.values, q_mean, v_plain, m_ref)
+    return t.q_untile(o), lse, (t.q_untile(o_prime) if o_prime is not None else None), saved, draws
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -240,6 +300,28 @@ class BackwardOperands:
     v_dp: torch.Tensor  # V in dP, key side
     k_dq: torch.Tensor  # K in dQ = dS K, key side
     q_dk: torch.Tensor  # Q in dK = dS^T Q, query side
+    replay: Replay | None = None  # to rebuild the forward's own P^
+
+
+@dataclass
+class Replay:
+    """What the backward needs to rebuild the P^ tiles the forward consumed: the forward's
+    score operands, each tile's row reference (B, Hkv, G, nQ, bm, nK) and its draws."""
+
+    scores: Operands
+    m_ref: torch.Tensor
+    draws: Draws | None
+
+    def p_hat(self, cfg: CallConfig, block: TileBlock, mask, lse_c, s=None) -> torch.Tensor:
+        """The forward's P^ of a block normalized by its log-sum-exp: the weights its output
+        gave each value row, (B, Hkv, G, n, g, bm, bn). `s`: the forward's masked scores if
+        the caller has them."""
+        if s is None:
+            s = _scores(self.scores, cfg, mask, block)[1]
+        m_j = self.m_ref[:, :, :, block.i0 : block.i1, :, block.j0 : block.j1].transpose(-1, -2)
+        p = (s - m_j.unsqueeze(-1)).exp_()  # (B, Hkv, G, n, g, bm, bn)
+        p_hat, _ = _forward_p(p, s, m_j, cfg, self.draws, False, block)
+        return p_hat.values.mul_(torch.exp(m_j - lse_c).unsqueeze(-1))
 
 
 @dataclass
@@ -256,6 +338,7 @@ class BackwardStep:
     ds: torch.Tensor
     ds_dq: Quantized  # dS as dQ = dS K consumes it
     ds_dk: Quantized  # dS as dK = dS^T Q consumes it
+    p_fwd: torch.Tensor | None  # the forward's P^ normalized by its lse (with the trace)
     dv: torch.Tensor  # each tile pair's P^T dO, (..., n, g, bn, Dv)
     dq: torch.Tensor  # each tile pair's dS K, (..., n, g, bm, D)
     dk: torch.Tensor  # each tile pair's dS^T Q, (..., n, g, bn, D)
@@ -268,33 +351,37 @@ def _backward_step(ops: BackwardOperands, cfg: CallConfig, block: TileBlock, mas
     skipped = block.skipped(s.device)
     # -- rebuild P from the forward's lse --
     p = (s - lse_c.unsqueeze(-1)).exp_()
+    p_fwd = None
+    if ops.replay is not None:
+        same = ops.replay.scores is ops.scores
+        p_fwd = ops.replay.p_hat(cfg, block, mask, lse_c, s if same else None)
     if recipe.backward is BackwardMode.STRAIGHT_THROUGH:  # the forward's quantizer of P
         p_dv = quantize_p(p, s, lse_c.expand(s.shape[:-1]), recipe, draws, traced, (i0, j0))
+    elif recipe.backward is BackwardMode.FORWARD_EXACT:
+        p_dv = Quantized(p_fwd)
     else:
         p_dv = quantize_field(p, recipe, "dv_p", draws, traced, (i0, j0))
     # -- dV_j += P^T dO_i --
     dv = zero_skipped(t_times_query(p_dv.values, ops.do_dv[:, :, :, i0:i1]), skipped)
     # -- dS = P * (dP - D) --
     dp = pairs(ops.do_dp[:, :, :, i0:i1], ops.v_dp[:, :, j0:j1])
-    ds = torch.sub(dp, delta_c).mul_(p)
+    ds = torch.sub(dp, delta_c).mul_(p_dv.values if recipe.ds_p is DsP.DV_OPERAND else p)
     # -- dQ_i += dS K_j, dK_j += dS^T Q_i --
     ds_dq = quantize_field(ds, recipe, "dq_ds", draws, traced, (i0, j0))
     dq = zero_skipped(times_key(ds_dq.values, ops.k_dq[:, :, j0:j1]), skipped)
     ds_dk = quantize_field(ds, recipe, "dk_ds", draws, traced, (i0, j0))
     dk = zero_skipped(t_times_query(ds_dk.values, ops.q_dk[:, :, :, i0:i1]), skipped)
-    return BackwardStep(block, s, unmasked, lse_c, p, p_dv, dp, ds, ds_dq, ds_dk, dv, dq, dk)
+    return BackwardStep(block, s, unmasked, lse_c, p, p_dv, dp, ds, ds_dq, ds_dk, p_fwd, dv, dq, dk)
 
 
 # -- the backward --------------------------------------------------------------------------------
-def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: CallConfig, t: Tiling, rec):
+def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: CallConfig, t: Tiling, rec, forward_draws):
     """FlashAttention-2's backward: dQ, dK, dV in the working precision."""
     work = o.dtype
     dow, qw, kw, vw = do.to(work), q.to(work), k.to(work), v.to(work)
-    # DeltaSource.OUTPUT: the output as returned, in the inputs' dtype (a kernel stores O so)
-    o_src = o_prime if cfg.recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else o.to(q.dtype).to(work)
-    delta = t.q_tiles((dow * o_src).sum(-1))  # D_i = rowsum(dO_i * O_i), (B, Hkv, G, nQ, bm)
     draws = Draws(cfg.generator, t.bm, t.bn) if cfg.recipe.stochastic else None  # after the forward's
-    quant, ops = _backward_operands(dow, qw, kw, vw, saved, cfg, t, draws, rec is not None)
+    quant, ops = _backward_operands(dow, qw, kw, vw, saved, cfg, t, draws, rec is not None, forward_draws)
+    delta = t.q_tiles(_delta(cfg.recipe, dow, quant, o, o_prime, q.dtype))  # (B, Hkv, G, nQ, bm)
     observer = BackwardTrace(rec, t, (qw, kw, vw, dow), quant) if rec is not None else None
     dk = qw.new_zeros(t.B, t.Hk, t.nK, t.bn, q.shape[-1])
     dv = qw.new_zeros(t.B, t.Hk, t.nK, t.bn, v.shape[-1])
@@ -313,28 +400,43 @@ def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: CallConfig, t: Tiling, r
     return t.q_untile(dq), t.k_untile(dk), t.k_untile(dv)
 
 
-def _backward_operands(do, q, k, v, saved, cfg: CallConfig, t: Tiling, draws, traced: bool):
+def _delta(recipe: AttentionRecipe, do, quant: dict, o, o_prime, dtype) -> torch.Tensor:
+    """D_i = rowsum(dO_i * O_i) with dO and O as `recipe.delta` says; the outputs as stored, in
+    the inputs' dtype (a kernel stores O so)."""
+    if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:
+        return (do * o_prime.to(dtype).to(do.dtype)).sum(-1)
+    o_stored = o.to(dtype).to(do.dtype)
+    if recipe.delta is DeltaSource.QUANTIZED_DO:
+        return (quant["do_dp"].values * o_stored).sum(-1)
+    return (do * o_stored).sum(-1)
+
+
+def _backward_operands(do, q, k, v, saved, cfg: CallConfig, t: Tiling, draws, traced: bool, forward_draws):
     """The backward's whole-tensor operands quantized as `recipe.backward` says: the
     `Quantized` operands (for the trace) and their tiles."""
     recipe = cfg.recipe
-    q_hat, k_hat, v_hat, q_mean = saved
+    q_hat, k_hat, v_hat, q_mean, _, m_ref = saved
+    forward_scores = Operands(t.q_tiles(q_hat), t.k_tiles(k_hat), None, q_mean, t.k_tiles(k))
     if recipe.backward_p is BackwardP.QUANTIZED_QK:
-        scores = Operands(t.q_tiles(q_hat), t.k_tiles(k_hat), None, q_mean, t.k_tiles(k))
+        scores = forward_scores
     else:
         scores = Operands(t.q_tiles(q), t.k_tiles(k), None, None, t.k_tiles(k))
+    replay = Replay(forward_scores, m_ref, forward_draws) if m_ref is not None else None
+    dos = {name: quantize_field(do, recipe, field, draws, traced) for name, field in (("do_dv", "dv_do"), ("do_dp", "dp_do"))}
     if recipe.backward is BackwardMode.FLASH:
-        sources = {"do_dv": (do, "dv_do"), "do_dp": (do, "dp_do"), "v_dp": (v, "dp_v"), "k_dq": (k, "dq_k"), "q_dk": (q, "dk_q")}
+        v_src = v_hat if recipe.backward_v is BackwardV.FORWARD else v
+        sources = {"v_dp": (v_src, "dp_v"), "k_dq": (k, "dq_k"), "q_dk": (q, "dk_q")}
         quant = {name: quantize_field(x, recipe, field, draws, traced) for name, (x, field) in sources.items()}
-    else:  # straight through: the forward's Q^ (with its mean added back), K^, V^
+    else:  # straight through or exact: the forward's Q^ (with its mean added back), K^, V^
         q_eff = q_hat if q_mean is None else q_hat + t.q_untile(q_mean.expand(*q_mean.shape[:4], t.bm, q_mean.shape[-1]))
         quant = {
-            "do_dv": Quantized(do), "do_dp": Quantized(do),
             "v_dp": _forward_counts(v, v_hat, recipe, "v", traced),
             "k_dq": _forward_counts(k, k_hat, recipe, "k", traced),
             "q_dk": _forward_counts(q, q_eff, recipe, "q", traced),
         }
+    quant.update(dos)
     tiler = {"do_dv": t.q_tiles, "do_dp": t.q_tiles, "v_dp": t.k_tiles, "k_dq": t.k_tiles, "q_dk": t.q_tiles}
-    ops = BackwardOperands(scores=scores, **{name: tiler[name](quant[name].values) for name in quant})
+    ops = BackwardOperands(scores=scores, replay=replay, **{name: tiler[name](quant[name].values) for name in quant})
     return quant, ops
 
 
@@ -355,14 +457,15 @@ class _FlashAttention(torch.autograd.Function):
         t = Tiling(
             B=q.shape[0], H=q.shape[1], Hk=k.shape[1], Sq=q.shape[2], Sk=k.shape[2],
             bm=cfg.block_m, bn=cfg.block_n, causal=cfg.causal,
+            reverse=cfg.recipe.kv_order is KVOrder.REVERSE,
         )
         scores = t.B * t.H * t.Sq * t.Sk
         allocator.settle(q.device, scores)
         rec = begin_trace(cfg, t, q, v)
-        o, lse, o_prime, saved = _forward(q, k, v, cfg, t, rec)
+        o, lse, o_prime, saved, draws = _forward(q, k, v, cfg, t, rec)
         allocator.trim(q.device, scores)
         ctx.save_for_backward(q, k, v, o, lse, o_prime, *saved)
-        ctx.cfg, ctx.tiling, ctx.rec = cfg, t, rec
+        ctx.cfg, ctx.tiling, ctx.rec, ctx.forward_draws = cfg, t, rec, draws
         return o.to(q.dtype, copy=True)  # not a view of o: a caller may modify it in place
 
     @staticmethod
@@ -372,7 +475,7 @@ class _FlashAttention(torch.autograd.Function):
         scores = t.B * t.H * t.Sq * t.Sk
         allocator.settle(do.device, scores)
         q, k, v, o, lse, o_prime, *saved = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, o_prime, saved, ctx.cfg, t, ctx.rec)
+        dq, dk, dv = _backward(do, q, k, v, o, lse, o_prime, saved, ctx.cfg, t, ctx.rec, ctx.forward_draws)
         allocator.trim(do.device, scores)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
@@ -382,8 +485,10 @@ def _transform_qk(q, k, recipe: AttentionRecipe):
     if recipe.incoherent_processing:  # FlashAttention-3, Sec. 3.3: (Q H)(K H)^T = Q K^T
         h = hadamard_matrix(q.shape[-1], recipe.incoherent_seed, torch.float64).to(q.device)
         q, k = (q.to(torch.float64) @ h).to(q.dtype), (k.to(torch.float64) @ h).to(k.dtype)
-    if recipe.smooth_k:  # SageAttention: each row of S shifts by q_i . mean(K)
+    if recipe.smooth_k is SmoothK.PER_HEAD:  # SageAttention: each row of S shifts by q_i . mean(K)
         k = k - k.mean(dim=-2, keepdim=True)
+    elif recipe.smooth_k is SmoothK.GLOBAL:  # FastVideo's Attn-QAT kernel: one vector for all
+        k = k - k.mean(dim=(0, 1, 2), keepdim=True)
     return q, k
 
 
@@ -398,8 +503,8 @@ def attention(
     scale: float | None = None,
     trace: Trace | None = None,
     generator: torch.Generator | int | None = None,
-    block_m: int = 128,
-    block_n: int = 128,
+    block_m: int | None = None,
+    block_n: int | None = None,
     attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, FlashAttention-style, with quantized operands.
@@ -442,8 +547,9 @@ def attention(
             not on the batch size, the number of heads or how fp4lab chunks the work
             (`fp4lab.analysis.streams`).
         block_m, block_n: query and key tile sizes, FlashAttention's Br and Bc (positive;
-            multiples of the blocks P and dS are quantized in along them). Tiles need not
-            divide Sq and Sk.
+            multiples of the blocks P and dS are quantized in along them); None takes the
+            recipe's (the tiles of the kernel it models, `AttentionRecipe.block_m`), or 128.
+            Tiles need not divide Sq and Sk.
         attn_mask: optional mask broadcastable to (B, H, Sq, Sk), boolean (True takes part)
             or additive float, as SDPA's; it gets no gradient.
 
@@ -462,6 +568,7 @@ def attention(
             without a generator, a bad attn_mask.
     """
     recipe = resolve_recipe(recipe)
+    block_m, block_n = tiles_for(recipe, block_m, block_n)
     check_inputs(q, k, v, attn_mask)
     check_tiling(recipe, q.shape[-1], v.shape[-1], block_m, block_n)
     if scale is None:
@@ -476,6 +583,16 @@ def attention(
         seed=generator if isinstance(generator, int) and not isinstance(generator, bool) else None,
     )
     return _FlashAttention.apply(q, k, v, cfg)
+
+
+def tiles_for(recipe: AttentionRecipe, block_m: int | None, block_n: int | None) -> tuple[int, int]:
+    """The tiles a call runs with: those given, else the recipe's, else 128."""
+    block_m = block_m if block_m is not None else recipe.block_m or _DEFAULT_TILE
+    block_n = block_n if block_n is not None else recipe.block_n or _DEFAULT_TILE
+    return block_m, block_n
+
+
+_DEFAULT_TILE = 128
 
 
 @contextlib.contextmanager

@@ -179,9 +179,12 @@ class BackwardTrace:
             dp_err = gram_product_stats(*self.grams, block, st.dp)
         else:
             dp_err = masked_product_stats(st.dp, pairs(do64, v64j), allowed)
+        dv_extra = {"p_mass_lost": mass}
+        if st.p_fwd is not None:  # the backward's P against the forward's
+            dv_extra["p_fwd_mismatch"] = product_stats(st.p_dv.values, st.p_fwd)["prod_err"]
         records = {
             Product.DV: (p_stats, q_block(st_["do_dv"], i0, i1, like),
-                         product_stats(st.dv, t_times_query(p64, do64), overwrite=True), {"p_mass_lost": mass}),
+                         product_stats(st.dv, t_times_query(p64, do64), overwrite=True), dv_extra),
             Product.DP: (q_block(st_["do_dp"], i0, i1, like), k_block(st_["v_dp"], j0, j1, like), dp_err, {}),
             Product.DQ: (dq_stats, k_block(st_["k_dq"], j0, j1, like),
                          product_stats(st.dq, times_key(ds64, k64j), overwrite=True), {}),

@@ -22,9 +22,12 @@ __all__ = ["OnlineSoftmax", "rescale_add"]
 class OnlineSoftmax:
     """The online softmax of a chunk of n query tiles, advanced a block of key tiles at a time.
 
-    m_i is the running row maximum, l_i the denominator, acc the numerator, all
-    (B, Hkv, G, n, bm[, Dv]); l_prime, acc_prime the same sums of the unquantized P for
-    Attn-QAT's second output O' (None otherwise).
+    m_i is the row reference (the running row maximum, unless fixed or lazy), l_i the
+    denominator, acc the numerator, all (B, Hkv, G, n, bm[, Dv]); l_prime, acc_prime the same
+    sums of the unquantized P for Attn-QAT's second output O' (None otherwise). A `fixed_m`
+    (B, Hkv, G, n, bm) is the reference of every tile (fp4-fa4's shiftless softmax and its
+    anchor); `lazy_log2` keeps the old maximum while a tile raises it by at most that many
+    powers of two (FlashAttention-4's lazy rescaling).
     """
 
     m_i: torch.Tensor
@@ -32,14 +35,16 @@ class OnlineSoftmax:
     acc: torch.Tensor
     l_prime: torch.Tensor | None = None
     acc_prime: torch.Tensor | None = None
+    fixed_m: torch.Tensor | None = None
+    lazy_log2: float | None = None
 
     @classmethod
-    def start(cls, shape, dv: int, like: torch.Tensor, prime: bool = False) -> OnlineSoftmax:
+    def start(cls, shape, dv: int, like: torch.Tensor, prime: bool = False, fixed_m=None,
+              lazy_log2: float | None = None) -> OnlineSoftmax:
         zeros = lambda *extra: like.new_zeros(*shape, *extra)  # noqa: E731
         m_i = like.new_full(shape, -math.inf)
-        if prime:
-            return cls(m_i, zeros(), zeros(dv), zeros(), zeros(dv))
-        return cls(m_i, zeros(), zeros(dv))
+        primes = (zeros(), zeros(dv)) if prime else (None, None)
+        return cls(m_i, zeros(), zeros(dv), *primes, fixed_m=fixed_m, lazy_log2=lazy_log2)
 
     def advance(self, s: torch.Tensor, reverse: bool, consume: bool = False):
         """-- update m_i -- over a block of scores s (..., n, g, bm, bn), key tile by key
@@ -48,8 +53,7 @@ class OnlineSoftmax:
         (..., n, g, bm), and the weights (alpha, w) that bring the old sums and each tile's
         terms to the block's last maximum m_end: alpha = exp(m_i - m_end),
         w_j = exp(m_j - m_end). With `consume`, P is computed in s's memory."""
-        m_tiles = _cumulative_max(s.amax(dim=-1), reverse)
-        m_tiles = torch.maximum(m_tiles, self.m_i.unsqueeze(-2))
+        m_tiles = self._references(s.amax(dim=-1), reverse)
         m_end = m_tiles[..., 0 if reverse else -1, :]
         end = torch.where(m_end == -math.inf, 0.0, m_end)
         m_use = torch.where(m_tiles == -math.inf, 0.0, m_tiles)
@@ -66,6 +70,25 @@ class OnlineSoftmax:
         out = torch.where(empty.unsqueeze(-1), 0.0, acc / denom.unsqueeze(-1))
         lse = torch.where(empty, math.inf, self.m_i + torch.log(denom))
         return out, lse
+
+
+    def _references(self, rowmax: torch.Tensor, reverse: bool) -> torch.Tensor:
+        """The row reference each key tile of a block sees, (..., n, g, bm), from the tiles'
+        row maxima (..., n, g, bm), in visiting order."""
+        if self.fixed_m is not None:
+            return self.fixed_m.unsqueeze(-2).expand_as(rowmax)
+        if self.lazy_log2 is None:
+            return torch.maximum(_cumulative_max(rowmax, reverse), self.m_i.unsqueeze(-2))
+        out, m = torch.empty_like(rowmax), self.m_i
+        tiles = range(rowmax.shape[-2])
+        for j in reversed(tiles) if reverse else tiles:  # the decision depends on the path
+            top = torch.maximum(m, rowmax[..., j, :])
+            m = torch.where((top - m) * _LOG2E > self.lazy_log2, top, m)  # -inf - -inf: kept
+            out[..., j, :] = m
+        return out
+
+
+_LOG2E = math.log2(math.e)
 
 
 def _cumulative_max(rowmax: torch.Tensor, reverse: bool) -> torch.Tensor:

@@ -28,10 +28,11 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 
+from fp4lab.recipes import ID_COLUMNS, Product
+
 __all__ = ["tile_grid", "tile_heatmap", "product_heatmaps", "recipe_heatmaps", "sweep_curve", "convergence_curve"]
 
-PRODUCTS = ("qk", "pv", "dv", "dp", "dq", "dk")
-ID_COLUMNS = ("call", "recipe", "product", "a_name", "b_name", "batch", "head", "kv_head", "q_tile", "k_tile")
+PRODUCTS = tuple(p.value for p in Product)
 
 
 def _frame(trace) -> pd.DataFrame:

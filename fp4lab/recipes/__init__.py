@@ -24,19 +24,37 @@ from fp4lab.recipes.recipe import (
     AttentionRecipe,
     BackwardMode,
     BackwardP,
+    BackwardV,
     DeltaSource,
+    DsP,
+    KVOrder,
     OperandSpec,
     PQuant,
+    RowReference,
     RowSum,
+    SmoothK,
+    TensorScope,
     resolve_recipe,
 )
-from fp4lab.recipes.trace import OPERAND_COLUMNS, OUT_COLUMNS, PRODUCT_COLUMNS, Trace, TraceCall
+from fp4lab.recipes.trace import (
+    COLUMNS,
+    ID_COLUMNS,
+    OPERAND_COLUMNS,
+    OUT_COLUMNS,
+    PRODUCT_COLUMNS,
+    STATISTICS,
+    Column,
+    Trace,
+    TraceCall,
+    column,
+)
 
 __all__ = [
-    "AttentionRecipe", "OperandSpec", "PQuant", "RowSum", "BackwardMode", "BackwardP",
-    "DeltaSource", "resolve_recipe", "Product", "Operand", "OPERANDS", "OPERAND_FIELDS",
-    "Extent", "Seq", "operand", "Trace", "TraceCall", "OPERAND_COLUMNS", "PRODUCT_COLUMNS",
-    "OUT_COLUMNS", "PRESETS", "EXACT", "FLASH_BF16", "FP8_PER_TENSOR", "FA3_FP8", "SAGEATTN3",
+    "AttentionRecipe", "OperandSpec", "PQuant", "RowReference", "RowSum", "KVOrder", "SmoothK",
+    "TensorScope", "BackwardMode", "BackwardP", "BackwardV", "DsP", "DeltaSource",
+    "resolve_recipe", "Product", "Operand", "OPERANDS", "OPERAND_FIELDS",
+    "Extent", "Seq", "operand", "Trace", "TraceCall", "Column", "COLUMNS", "ID_COLUMNS",
+    "OPERAND_COLUMNS", "PRODUCT_COLUMNS", "OUT_COLUMNS", "STATISTICS", "column", "PRESETS", "EXACT", "FLASH_BF16", "FP8_PER_TENSOR", "FA3_FP8", "SAGEATTN3",
     "ATTN_QAT_DROPIN", "ATTN_QAT", "FA4FP4_DIRECTP", "FA4FP4_CAUSAL", "FA4FP4_CAUSAL_MXFP4PV",
     "CROISSATTN",
 ]

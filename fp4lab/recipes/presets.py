@@ -29,6 +29,7 @@ from fp4lab.recipes.recipe import (
     DeltaSource,
     PQuant,
     RowSum,
+    SmoothK,
 )
 from fp4lab.recipes.operands import Product
 
@@ -115,7 +116,7 @@ def SAGEATTN3() -> AttentionRecipe:
     from the unquantized (smoothed) Q, K."""
     return AttentionRecipe(
         name="sageattn3", q=NVFP4_1LEVEL, k=NVFP4_1LEVEL, p=NVFP4_1LEVEL, v=NVFP4_1LEVEL,
-        p_quant=PQuant.ROW_SCALED, smooth_k=True, smooth_q=True,
+        p_quant=PQuant.ROW_SCALED, smooth_k=SmoothK.PER_HEAD, smooth_q=True,
         backward_p=BackwardP.UNQUANTIZED_QK,
     )
 

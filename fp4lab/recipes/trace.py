@@ -1,75 +1,34 @@
-"""Per-tile statistics of what quantization did inside attention: the `Trace`.
+"""Per-tile statistics of what quantization did inside attention: the `Trace` and its schema.
 
 Give `attention(..., trace=Trace())` and every call records, for each of the six products
 (`qk`, `pv` in the forward; `dv`, `dp`, `dq`, `dk` once `backward()` has run) and each
 (batch, head, query tile, key tile), how much its two operands lost to quantization and how
-far the product tile landed from the same product on unquantized operands, plus
-per query tile how far the softmax denominator, log-sum-exp and output moved. Several calls
-(the layers of a model under `patch_sdpa`) are kept apart by a `call` index. Statistics are
-tensors while attention runs and a pandas DataFrame at the end (`Trace.to_frame`), never
-prints; a heatmap over (q_tile, k_tile) of any column is one pivot away.
+far the product tile landed from the same product on unquantized operands, plus per query
+tile how far the softmax denominator, log-sum-exp and output moved. Several calls (the layers
+of a model under `patch_sdpa`) are kept apart by a `call` index. Statistics are tensors while
+attention runs and a pandas DataFrame at the end (`Trace.to_frame`), never prints; a heatmap
+over (q_tile, k_tile) of any column is one pivot away. Both execution paths (the simulation
+and the kernels) write this one schema: `COLUMNS` lists every column with its definition.
 
-Definitions (x an operand tile before quantization, x^ after, both as the product consumes
-them: P is exp(S - m) with the online softmax's running maximum m in ``pv`` and the rebuilt
-exp(S - lse) in ``dv``; "nonzero" counts the elements with x != 0; NaN where a ratio has
-nothing to count, and in tiles that hold NaN):
-
-- ``a_err`` / ``b_err``: ||x^ - x||_F / ||x||_F (0 when both are zero).
-- ``a_flushed`` / ``b_flushed``: fraction of nonzero elements with x^ = 0.
-- ``a_clipped`` / ``b_clipped``: fraction of nonzero elements whose magnitude exceeds the
-  largest value representable in their block (element max x block scale x tensor scale),
-  so that saturation, not rounding, set x^.
-- ``a_scale_underflow`` / ``..._overflow``: fraction of the tile's blocks holding a nonzero
-  element whose ideal scale, block amax / (element max x tensor scale), lies below the
-  scale format's smallest positive value (the block flushes or its scale is raised) or above
-  its largest (the scale saturates and the block clips), beyond float32 rounding. A block
-  of a whole-tensor operand counts in the tile holding its first element. NaN for operands
-  without block scales.
-- ``a_nan`` / ``b_nan``: number of NaN elements of x^.
-- ``p_mass_lost`` (products with a P operand): probability mass whose P values were
-  flushed to zero, in units of the final softmax probability, averaged over the tile's
-  query rows (the forward normalises by the recipe's own log-sum-exp).
-- ``prod_err``: ||y^ - y||_F / ||y||_F of the product tile y^ (quantized operands) against
-  y, the same product on the unquantized operands of this product (its local error; errors
-  arriving from earlier products show in the ``out`` rows). For ``qk`` and ``dp``, whose
-  operands are whole tensors, it is computed in float64 from the tiles' Gram matrices
-  (exact products of the quantized against the unquantized operands, resolved from about
-  1e-7 up) in every block of tiles with nothing masked: no ``attn_mask``, no causal cut,
-  no padding at the ends of the sequences and, for ``qk``, no SageAttention Q smoothing.
-  Elsewhere, and for ``pv``, ``dv``, ``dq``, ``dk``, y is computed in `reference_dtype` and
-  compared over the entries the masks leave. (The two routes differ at the 1e-7 level: an
-  unquantized product has error exactly 0 on the first and ~1e-7 or 0 on the second.)
-- ``prod_nan``: number of NaN elements of y^.
-
-Rows with ``product == "out"`` (``k_tile == -1``) hold the per-query-tile statistics of the
-forward, over the tile's query rows that are not fully masked:
-
-- ``row_sum_err``: mean of l^ / l - 1, the sum of the P values that P V consumed over the
-  sum of the unquantized P (same scores, same running maximum).
-- ``lse_err``: mean |lse - lse_ref|, the recipe's log-sum-exp against the exact one in
-  `reference_dtype` from the unquantized Q, K.
-- ``out_err``: ||O - O_ref||_F / ||O_ref||_F of the output tile against exact attention in
-  `reference_dtype` on the unquantized inputs.
-- ``out_nan``: number of NaN elements of the output tile.
+In the definitions x is an operand tile before quantization and x^ after, both as the
+product consumes them: P is exp(S - m) with the forward's row reference m in ``pv`` and the
+rebuilt exp(S - lse) in ``dv``; "nonzero" counts the elements with x != 0; a column is NaN
+where its ratio has nothing to count, and in tiles that hold NaN. Tiles a causal mask skips
+entirely are absent. Rows with ``product == "out"`` (``k_tile == -1``) hold the forward's
+per-query-tile statistics, over the tile's query rows that are not fully masked.
 
 Reference precision. `reference_dtype` defaults to the computation's working precision:
 float64 for float64 inputs, float32 otherwise. A float32 reference product on the same
 operands differs from the float64 one by a relative ~1e-7 (at most K u ||A|| ||B|| for an
 inner dimension K, u = 2^-24), so ``prod_err``, ``out_err`` and ``lse_err`` carry an
-absolute uncertainty of ~1e-7 to 1e-6, far below any FP8 or FP4 error (1e-3 to 1e-1);
-with unquantized operands the reference is the very same float32 arithmetic and the error
-is 0. Ask for ``Trace(reference_dtype=torch.float64)`` to resolve float32-level errors in a
-float32 run; it costs about 1.5x the time on a CPU (float64 matrix products run at a third
-of float32's speed there). See benchmarks/RESULTS.md for both.
+absolute uncertainty of ~1e-7 to 1e-6, far below any FP8 or FP4 error (1e-3 to 1e-1); with
+unquantized operands the reference is the very same float32 arithmetic and the error is 0.
+Ask for ``Trace(reference_dtype=torch.float64)`` to resolve float32-level errors in a
+float32 run (on a CPU float64 matrix products run at a third of float32's speed).
 
-Cost: the reference adds four products per tile pair with small outputs (``pv``, ``dv``,
-``dq``, ``dk``) and the exact attention of the ``out`` rows; the trace only reads:
-attention's outputs and gradients are the same bits with and without it.
-
-Identifying columns: ``call``, ``recipe``, ``product``, ``a_name``, ``b_name`` (operand
-names: q, k, p, v, do, ds), ``batch``, ``head`` (query head), ``kv_head``, ``q_tile``,
-``k_tile``. Tiles a causal mask skips entirely are absent. Metadata of each call (shapes,
-tiles, causal, the generator's seed) is in `Trace.calls[i].meta`.
+The trace only reads: attention's outputs and gradients are the same bits with and without
+it. Metadata of each call (shapes, tiles, causal, the generator's seed) is in
+`Trace.calls[i].meta`.
 """
 
 from __future__ import annotations
@@ -81,11 +40,125 @@ import torch
 
 from fp4lab.recipes.operands import Product
 
-__all__ = ["Trace", "TraceCall", "OPERAND_COLUMNS", "PRODUCT_COLUMNS", "OUT_COLUMNS"]
+__all__ = [
+    "Trace", "TraceCall", "Column", "COLUMNS", "ID_COLUMNS", "OPERAND_COLUMNS",
+    "PRODUCT_COLUMNS", "OUT_COLUMNS", "STATISTICS", "column",
+]
 
-OPERAND_COLUMNS = ("err", "flushed", "clipped", "scale_underflow", "scale_overflow", "nan")
-PRODUCT_COLUMNS = ("p_mass_lost", "prod_err", "prod_nan")
-OUT_COLUMNS = ("row_sum_err", "lse_err", "out_err", "out_nan")
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the trace's frame.
+
+    Attributes:
+        name: the column's name (operand statistics: without their ``a_`` / ``b_`` prefix).
+        kind: "id" (identifies a row), "operand" (one per operand, prefixed ``a_`` and
+            ``b_``), "product" (of the product tile) or "out" (of a query tile's output).
+        short: the definition in a few words, for a figure's colour bar.
+        definition: the definition in full.
+    """
+
+    name: str
+    kind: str
+    short: str
+    definition: str
+
+
+COLUMNS = (
+    Column("call", "id", "call", "index of the attention call (one per SDPA call under patch_sdpa)"),
+    Column("recipe", "id", "recipe", "the attention recipe's name"),
+    Column("product", "id", "product", "qk, pv, dv, dp, dq, dk, or out for per-query-tile rows"),
+    Column("a_name", "id", "operand a", "short name of the product's left operand (q, k, v, p, do, ds)"),
+    Column("b_name", "id", "operand b", "short name of the product's right operand"),
+    Column("batch", "id", "batch", "batch index"),
+    Column("head", "id", "head", "query head"),
+    Column("kv_head", "id", "key/value head", "key/value head (query head // (H / Hkv))"),
+    Column("q_tile", "id", "query tile", "query tile index (block_m rows)"),
+    Column("k_tile", "id", "key tile", "key tile index (block_n rows); -1 on out rows"),
+    Column("err", "operand", "relative error of the operand tile", "||x^ - x||_F / ||x||_F (0 when both are zero)"),
+    Column("flushed", "operand", "fraction of nonzeros flushed to zero", "fraction of nonzero elements with x^ = 0"),
+    Column(
+        "clipped", "operand", "fraction of nonzeros clipped",
+        "fraction of nonzero elements whose magnitude exceeds the largest value representable "
+        "in their block (element max x block scale x tensor scale), so that saturation, not "
+        "rounding, set x^",
+    ),
+    Column(
+        "scale_underflow", "operand", "fraction of blocks whose scale underflowed",
+        "fraction of the tile's blocks holding a nonzero element whose ideal scale, block amax "
+        "/ (element max x tensor scale), lies below the scale format's smallest positive value "
+        "(the block flushes or its scale is raised), beyond float32 rounding; a block of a "
+        "whole-tensor operand counts in the tile holding its first element; NaN for operands "
+        "without block scales",
+    ),
+    Column(
+        "scale_overflow", "operand", "fraction of blocks whose scale overflowed",
+        "as scale_underflow, above the scale format's largest value (the scale saturates and "
+        "the block clips)",
+    ),
+    Column("nan", "operand", "NaN elements of the quantized operand", "number of NaN elements of x^"),
+    Column(
+        "p_mass_lost", "product", "probability mass flushed per query row",
+        "products with a P operand: probability mass whose P values were flushed to zero, in "
+        "units of the final softmax probability, averaged over the tile's query rows (the "
+        "forward normalises by the recipe's own log-sum-exp)",
+    ),
+    Column(
+        "p_fwd_mismatch", "product", "relative difference of the backward's P from the forward's",
+        "dv only: ||P_b - P_f||_F / ||P_f||_F, P_b the P that dV = P^T dO consumed (lift divided "
+        "out), P_f the P^ the forward's P V consumed, replayed with the row references the "
+        "forward used and normalized by its log-sum-exp (the weights the output gave each "
+        "value row); 0 when the backward replays the forward",
+    ),
+    Column(
+        "prod_err", "product", "relative error of the product tile",
+        "||y^ - y||_F / ||y||_F of the product tile y^ (quantized operands) against y, the same "
+        "product on the unquantized operands of this product (its local error; errors arriving "
+        "from earlier products show in the out rows). For qk and dp, whose operands are whole "
+        "tensors, computed in float64 from the tiles' Gram matrices (exact products of the "
+        "quantized against the unquantized operands, resolved from about 1e-7 up) in blocks "
+        "with nothing masked (no attn_mask, causal cut or padding and, for qk, no Q smoothing); "
+        "elsewhere y is computed in reference_dtype over the entries the masks leave (the two "
+        "routes differ at the 1e-7 level)",
+    ),
+    Column("prod_nan", "product", "NaN elements of the product tile", "number of NaN elements of y^"),
+    Column(
+        "row_sum_err", "out", "relative error of the softmax denominator",
+        "mean over the tile's rows of l^ / l - 1, the sum of the P values that P V consumed over "
+        "the sum of the unquantized P (same scores, same row references)",
+    ),
+    Column(
+        "lse_err", "out", "absolute error of the log-sum-exp",
+        "mean |lse - lse_ref| of the recipe's log-sum-exp against the exact one in "
+        "reference_dtype from the unquantized Q, K",
+    ),
+    Column(
+        "out_err", "out", "relative error of the output tile",
+        "||O - O_ref||_F / ||O_ref||_F of the output tile against exact attention in "
+        "reference_dtype on the unquantized inputs",
+    ),
+    Column("out_nan", "out", "NaN elements of the output tile", "number of NaN elements of the output tile"),
+)
+
+ID_COLUMNS = tuple(c.name for c in COLUMNS if c.kind == "id")
+OPERAND_COLUMNS = tuple(c.name for c in COLUMNS if c.kind == "operand")
+PRODUCT_COLUMNS = tuple(c.name for c in COLUMNS if c.kind == "product")
+OUT_COLUMNS = tuple(c.name for c in COLUMNS if c.kind == "out")
+# every statistic, as named in the frame
+STATISTICS = tuple(f"{side}_{c}" for side in "ab" for c in OPERAND_COLUMNS) + PRODUCT_COLUMNS + OUT_COLUMNS
+_BY_NAME = {c.name: c for c in COLUMNS}
+
+
+def column(name: str) -> Column:
+    """The `Column` of a frame column's name (``a_flushed`` gives the ``flushed`` operand
+    column, with its short definition naming the operand side)."""
+    if name[:2] in ("a_", "b_") and name[2:] in OPERAND_COLUMNS:
+        base = _BY_NAME[name[2:]]
+        side = "left" if name[0] == "a" else "right"
+        return Column(name, base.kind, f"{base.short} ({side} operand)", base.definition)
+    if name not in _BY_NAME:
+        raise ValueError(f"{name!r} is not a trace column; the statistics are {', '.join(STATISTICS)}")
+    return _BY_NAME[name]
 
 
 class Trace:
@@ -120,17 +193,8 @@ class Trace:
         frames = [call.to_frame() for call in self.calls]
         frames = [f for f in frames if len(f)]
         if not frames:
-            return pd.DataFrame(columns=list(_ID_COLUMNS + _ALL_STATS))
+            return pd.DataFrame(columns=list(ID_COLUMNS + STATISTICS))
         return pd.concat(frames, ignore_index=True)
-
-
-_ID_COLUMNS = (
-    "call", "recipe", "product", "a_name", "b_name", "batch", "head", "kv_head", "q_tile",
-    "k_tile",
-)
-_ALL_STATS = (
-    tuple(f"{side}_{c}" for side in "ab" for c in OPERAND_COLUMNS) + PRODUCT_COLUMNS + OUT_COLUMNS
-)
 
 
 @dataclass
@@ -185,9 +249,9 @@ class TraceCall:
         if self.out:
             frames.append(self._out_frame())
         if not frames:
-            return pd.DataFrame(columns=list(_ID_COLUMNS + _ALL_STATS))
+            return pd.DataFrame(columns=list(ID_COLUMNS + STATISTICS))
         frame = pd.concat(frames, ignore_index=True)
-        return frame.reindex(columns=list(_ID_COLUMNS + _ALL_STATS))
+        return frame.reindex(columns=list(ID_COLUMNS + STATISTICS))
 
     def _index(self, with_k: bool) -> dict[str, torch.Tensor]:
         b, h, g, nq, nk = self.dims

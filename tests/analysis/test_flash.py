@@ -389,7 +389,7 @@ def test_sageattn3_smoothing_leaves_the_unquantized_output_unchanged():
     q, k, v = qkv(1, 2, 2, 64, 64, 64, seed=44)
     exact = attention(q, k + 5.0, v)
     err = lambda r: ((attention(q, k + 5.0, v, r) - exact).norm() / exact.norm()).item()  # noqa: E731
-    assert err("sageattn3") < err(dataclasses.replace(resolve_recipe("sageattn3"), name="unsmoothed", smooth_k=False))
+    assert err("sageattn3") < err(dataclasses.replace(resolve_recipe("sageattn3"), name="unsmoothed", smooth_k="none"))
 
 
 def test_sageattn3_two_level_p_maps_each_row_max_to_448_times_6():

@@ -94,15 +94,19 @@ def test_enum_fields_parse_strings_and_reject_unknown_values():
         AttentionRecipe(name="x", delta="sometimes")
 
 
-@pytest.mark.parametrize("bad", [0.0, -2.0, 3.0, float("inf"), 0.75])
-def test_prescales_must_be_powers_of_two(bad):
-    with pytest.raises(ValueError, match="p_lift"):
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("inf"), float("nan"), True, "2"])
+def test_lifts_must_be_positive_finite_numbers(bad):
+    with pytest.raises(ValueError, match="p_lift must be a positive finite number"):
         AttentionRecipe(name="x", p_lift=bad)
+    assert AttentionRecipe(name="x", p_lift=2688.0).p_lift == 2688.0  # SageAttention3's 448 * 6
 
 
-def test_straight_through_rejects_backward_operands():
-    with pytest.raises(ValueError, match="dv_do"):
-        AttentionRecipe(name="x", backward=BackwardMode.STRAIGHT_THROUGH, dv_do="nvfp4")
+@pytest.mark.parametrize("field", ["dv_p", "dp_v", "dq_k", "dk_q"])
+def test_straight_through_rejects_the_operands_it_takes_from_the_forward(field):
+    with pytest.raises(ValueError, match=f"{field} must be None"):
+        AttentionRecipe(name="x", backward=BackwardMode.STRAIGHT_THROUGH, **{field: "nvfp4"})
+    # dO and dS are the backward's own: Attn-QAT casts dS to bf16
+    AttentionRecipe(name="x", backward=BackwardMode.STRAIGHT_THROUGH, dq_ds="bf16", dv_do="nvfp4")
 
 
 def test_row_scaled_p_needs_a_spec_without_tensor_scale():

@@ -1,0 +1,55 @@
+"""Philox4x32 and its 53-bit uniforms in Triton: the generator of `fp4lab.formats.philox`.
+
+These are device functions for fp4lab's kernels to call, the same function as the torch
+reference, word for word: the module docstring of `fp4lab.formats.philox` gives the
+definition (Salmon et al. 2011, Random123's `philox4x32_10`) and why fp4lab draws its random
+bits from a counter keyed by a seed rather than from a stream. A kernel that numbers its
+elements as the reference does gets the same bits, and so rounds the same way, as the
+simulation path on any device.
+
+In Triton a word is a uint32 tensor, so the arithmetic is the definition itself: `tl.umulhi`
+gives the high word of a 32 x 32 bit product and the wrapping uint32 product its low word;
+the round keys are bumped by wrapping uint32 additions. The constants are the reference's.
+The tests run these functions under Triton's interpreter and compare them with the torch
+implementation bit for bit. This module needs triton; `fp4lab.kernels` does not import it.
+"""
+
+import triton
+import triton.language as tl
+
+from fp4lab.formats import philox
+
+PHILOX_M4x32_0: tl.constexpr = tl.constexpr(philox.PHILOX_M4x32_0)
+PHILOX_M4x32_1: tl.constexpr = tl.constexpr(philox.PHILOX_M4x32_1)
+PHILOX_W32_0: tl.constexpr = tl.constexpr(philox.PHILOX_W32_0)
+PHILOX_W32_1: tl.constexpr = tl.constexpr(philox.PHILOX_W32_1)
+TWO_TO_MINUS_53: tl.constexpr = tl.constexpr(2.0**-53)  # exact in float32, as Triton keeps it
+
+
+@triton.jit
+def philox4x32(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr):
+    """Philox4x32 with ROUNDS rounds of the counter (c0, c1, c2, c3) under the key (k0, k1):
+    uint32 tensors or scalars, broadcast. Returns the four output words, uint32."""
+    tl.static_assert(c0.dtype == tl.uint32, "philox4x32: counter word c0 must be uint32")
+    tl.static_assert(c1.dtype == tl.uint32, "philox4x32: counter word c1 must be uint32")
+    tl.static_assert(c2.dtype == tl.uint32, "philox4x32: counter word c2 must be uint32")
+    tl.static_assert(c3.dtype == tl.uint32, "philox4x32: counter word c3 must be uint32")
+    tl.static_assert(k0.dtype == tl.uint32, "philox4x32: key word k0 must be uint32")
+    tl.static_assert(k1.dtype == tl.uint32, "philox4x32: key word k1 must be uint32")
+    for _ in tl.static_range(ROUNDS):
+        hi0 = tl.umulhi(c0, PHILOX_M4x32_0)
+        lo0 = tl.mul(c0, PHILOX_M4x32_0, sanitize_overflow=False)
+        hi1 = tl.umulhi(c2, PHILOX_M4x32_1)
+        lo1 = tl.mul(c2, PHILOX_M4x32_1, sanitize_overflow=False)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = tl.add(k0, PHILOX_W32_0, sanitize_overflow=False)
+        k1 = tl.add(k1, PHILOX_W32_1, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def uniform53(w0, w1):
+    """The float64 ((w0 >> 5) 2^26 + (w1 >> 6)) 2^-53 in [0, 1) from two uint32 words: the 27
+    high bits of w0 above the 26 high bits of w1, as `fp4lab.formats.philox.uniform53`."""
+    bits = ((w0 >> 5).to(tl.uint64) << 26) | (w1 >> 6).to(tl.uint64)
+    return bits.to(tl.float64) * TWO_TO_MINUS_53  # bits < 2^53: exact
