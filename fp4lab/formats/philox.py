@@ -21,7 +21,8 @@ The definition (Random123's). One round maps the counter (c0, c1, c2, c3) under 
 hi and lo being the high and low 32-bit words of the 64-bit product, M0 = 0xD2511F53 and
 M1 = 0xCD9E8D57. Round r (from 0) uses the key (k0 + r W0, k1 + r W1) mod 2^32 with the Weyl
 increments W0 = 0x9E3779B9 and W1 = 0xBB67AE85. `split_key` makes a 64-bit seed into (k0, k1),
-low word first; `uniform53` makes two words into a double in [0, 1) on the grid of 2^-53.
+low word first; `uniform53` makes two words into a double in [0, 1) on the grid of 2^-53, so
+one counter gives two uniforms.
 
 How, in torch. torch has no uint32 arithmetic, so a word is an int64 holding a value in
 [0, 2^32). The product M * c can reach 2^64 - 2^33 + 1 and overflow int64; instead
@@ -53,13 +54,14 @@ PHILOX_M4x32_0 = 0xD2511F53
 PHILOX_M4x32_1 = 0xCD9E8D57
 """M1, the multiplier of counter word 2."""
 PHILOX_W32_0 = 0x9E3779B9
-"""W0, the Weyl increment of key word 0 per round (the golden ratio, 2^32 (sqrt(5) - 1) / 2)."""
+"""W0, the Weyl increment of key word 0 per round: floor(2^32 (sqrt(5) - 1) / 2), the golden
+ratio's."""
 PHILOX_W32_1 = 0xBB67AE85
-"""W1, the Weyl increment of key word 1 per round (2^32 (sqrt(3) - 1))."""
+"""W1, the Weyl increment of key word 1 per round: floor(2^32 (sqrt(3) - 1))."""
 
 _WORD_MASK = 0xFFFFFFFF
 _CPU_CHUNK = 1 << 16  # elements per chunk: seven int64 buffers of it fit the caches
-_BELOW_2_32 = (PHILOX_M4x32_0 - (1 << 32), PHILOX_M4x32_1 - (1 << 32))  # M - 2^32, in (-2^30, 0)
+_MULTIPLIERS_MINUS_2_32 = (PHILOX_M4x32_0 - (1 << 32), PHILOX_M4x32_1 - (1 << 32))  # in (-2^30, 0)
 
 
 def philox4x32(
@@ -75,7 +77,8 @@ def philox4x32(
     element-wise over the arguments' broadcast shape.
 
     Counters are int64 tensors of uint32 words (values in [0, 2^32)); keys are such ints or
-    tensors. Returns the four output words (w0, w1, w2, w3), int64 tensors of uint32 words.
+    tensors. Returns the four output words (w0, w1, w2, w3), int64 tensors of uint32 words, on
+    c0's device.
     """
     _check_arguments(c0, c1, c2, c3, k0, k1, rounds)
     inputs = (c0, c1, c2, c3, k0, k1)
@@ -112,11 +115,11 @@ def _rounds(counters: list[torch.Tensor], spares: list[torch.Tensor], k0, k1, ro
     lo0, hi0, hi1 = spares
     for _ in range(rounds):
         # -- (hi0, lo0) = M0 * c0 --
-        torch.mul(c0, _BELOW_2_32[0], out=lo0)
+        torch.mul(c0, _MULTIPLIERS_MINUS_2_32[0], out=lo0)
         torch.bitwise_right_shift(lo0, 32, out=hi0).add_(c0)
         lo0.bitwise_and_(_WORD_MASK)
         # -- (hi1, lo1) = M1 * c2, lo1 written over c0, which is no longer needed --
-        lo1 = torch.mul(c2, _BELOW_2_32[1], out=c0)
+        lo1 = torch.mul(c2, _MULTIPLIERS_MINUS_2_32[1], out=c0)
         torch.bitwise_right_shift(lo1, 32, out=hi1).add_(c2)
         lo1.bitwise_and_(_WORD_MASK)
         # -- the new counter; the buffers of the old c1, c2, c3 become the spares --
