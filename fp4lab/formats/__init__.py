@@ -10,19 +10,30 @@ from fp4lab.formats.block_formats import (
     BLOCK_FORMATS,
     FP8_E4M3_TENSOR,
     FP8_E4M3_TILE128,
+    FP8_E4M3_X4,
     FP8_E5M2_TENSOR,
+    FP8_E5M2_X4,
     MXFP4,
+    MXFP4_ALPHA_CEIL,
+    MXFP4_ALPHA_HALF,
+    MXFP4_ALPHA_MSE,
+    MXFP4_ALPHA_RTE_2D,
     MXFP4_CEIL,
     MXFP4_EVEN,
     MXFP4_RCEIL,
     MXFP6_E2M3,
     MXFP6_E3M2,
     MXFP8_E4M3,
+    MXFP8_E4M3_ALPHA_CEIL,
     MXFP8_E5M2,
     MXINT8,
     NVFP4,
     NVFP4_1LEVEL,
     NVFP4_2D,
+    NVFP4_DIVIDE_UNROUNDED,
+    NVFP4_MS_EDEN,
+    NVFP4_RECIPROCAL,
+    NVFP4_RECIPROCAL_2LEVEL,
     NVFP4_SR,
     NVFP4_UE5M3,
     TORCHAO_NVFP4,
@@ -67,11 +78,11 @@ from fp4lab.formats.quantize import (
 )
 from fp4lab.formats.registry import get, names, parse_enum, register, unregister
 from fp4lab.formats.rounding import Rounding, as_generator, round_to_format
-from fp4lab.formats.spec import QuantSpec, ScaleArithmetic, ScaleRule
+from fp4lab.formats.spec import Correction, QuantSpec, ScaleArithmetic, ScaleRule
 
 __all__ = [
     "FloatFormat", "Specials", "Rounding", "round_to_format", "as_generator", "QuantSpec",
-    "ScaleRule", "ScaleArithmetic", "QuantizedTensor", "BlockQuantized", "quantize",
+    "ScaleRule", "ScaleArithmetic", "Correction", "QuantizedTensor", "BlockQuantized", "quantize",
     "quantize_blocks", "fake_quantize", "resolve_spec", "hadamard_matrix", "get", "names",
     "parse_enum", "register", "unregister", "pack_codes", "unpack_codes", "torch_dtype",
     "ml_dtype", "to_torch", "to_ml_dtypes",
@@ -83,5 +94,8 @@ __all__ = [
     "BLOCK_FORMATS", "MXFP4", "MXFP4_CEIL", "MXFP4_EVEN", "MXFP4_RCEIL", "MXFP6_E3M2",
     "MXFP6_E2M3", "MXFP8_E4M3", "MXFP8_E5M2", "MXINT8", "NVFP4", "NVFP4_2D", "NVFP4_1LEVEL",
     "NVFP4_SR", "NVFP4_UE5M3", "FP8_E4M3_TENSOR", "FP8_E5M2_TENSOR", "FP8_E4M3_TILE128",
-    "TORCHAO_NVFP4", "TORCHAO_NVFP4_1LEVEL",
+    "TORCHAO_NVFP4", "TORCHAO_NVFP4_1LEVEL", "MXFP4_ALPHA_CEIL", "MXFP4_ALPHA_MSE",
+    "MXFP4_ALPHA_HALF", "MXFP4_ALPHA_RTE_2D", "MXFP8_E4M3_ALPHA_CEIL", "NVFP4_RECIPROCAL",
+    "NVFP4_RECIPROCAL_2LEVEL", "NVFP4_DIVIDE_UNROUNDED", "FP8_E4M3_X4", "FP8_E5M2_X4",
+    "NVFP4_MS_EDEN",
 ]

@@ -7,10 +7,15 @@ The pipeline, for a `QuantSpec` and a tensor x:
    tensor), padding a partial last block with zeros, which leaves its amax unchanged;
 3. block amax a and, with a second-level scale, tensor amax A;
 4. block scales from the spec's `ScaleRule` in float32, in the order its `ScaleArithmetic`
-   prescribes, rounded into the scale format;
+   prescribes, rounded into the scale format (alpha-grid rules: fl(2^E / M_e); a fixed
+   scale: its constant);
 5. elements divided (or multiplied by the reciprocal, as the arithmetic says) in the input's
    working precision (float64 for float64 input, float32 otherwise), rounded into the element
    format with the spec's rounding, saturating at +-max; then encoded.
+
+`Correction.EDEN` replaces steps 4-5 by Quartet II's chain (`fp4lab.formats.eden`, float32):
+elements rounded first, the block scales corrected from them, then the tensor scale, then the
+stochastic rounding of the stored scales.
 
 Dequantization is (code value * block scale) * tensor scale in float32, then the inverse
 Hadamard transform. NaN or inf in a block: see `ScaleArithmetic` (EXACT gives the block a
@@ -24,11 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fp4lab.formats import eden
 from fp4lab.formats.float_format import FloatFormat, _pow2
 from fp4lab.formats.interop import pack_codes, to_ml_dtypes, to_torch, unpack_codes
 from fp4lab.formats.registry import get
-from fp4lab.formats.rounding import Rounding, _check_tensor, round_to_format
-from fp4lab.formats.spec import QuantSpec, ScaleArithmetic, ScaleRule
+from fp4lab.formats.rounding import Rounding, _check_tensor, _uniforms, round_to_format
+from fp4lab.formats.spec import Correction, QuantSpec, ScaleArithmetic, ScaleRule
 
 __all__ = [
     "QuantizedTensor", "BlockQuantized", "quantize", "quantize_blocks", "fake_quantize",
@@ -53,9 +59,11 @@ class QuantizedTensor:
 
     Attributes:
         codes: element codes (uint8 for formats of up to 8 bits), with x's shape.
-        scales: float32 block scales. 1-D blocks: x's shape with the quantized axis replaced
-            by the number of blocks; 2-D tiles: x.shape[:-2] + (row tiles, column tiles);
-            per-tensor: a 0-dim tensor.
+        scales: float32 block scales (decode multipliers: value = code * scale * tensor
+            scale). 1-D blocks: x's shape with the quantized axis replaced by the number of
+            blocks; 2-D tiles: x.shape[:-2] + (row tiles, column tiles); per-tensor: a 0-dim
+            tensor. Alpha-grid rules store fl(2^E / M_e), not the E8M0 value 2^E (E is
+            log2(scale * M_e) rounded to an integer); a fixed-scale format stores its constant.
         tensor_scale: float32 0-dim per-tensor decode scale, or None.
         spec: the recipe.
         axis: the quantized axis (non-negative).
@@ -139,7 +147,8 @@ def quantize(
         noise: uniforms in [0, 1) of x's shape for stochastic rounding, used instead of
             drawing from `generator` (so that the caller decides which element gets which
             draw, e.g. by position); element i of x (of the rotated x, with a Hadamard
-            transform) is rounded with noise[i].
+            transform) is rounded with noise[i]. With `Correction.EDEN` (nearest elements,
+            stochastic scales) the uniform at each block's first element rounds its scale.
     """
     spec = resolve_spec(spec)
     blocked = quantize_blocks(
@@ -161,8 +170,11 @@ class BlockQuantized:
         amax: float32 block amax (..., blocks), after the Hadamard transform if any.
         scaled: the elements after scaling, before rounding (..., blocks, block elements).
         values: the rounded element values, same shape.
-        scales: float32 block scales (..., blocks).
-        decode: the float32 second-level decode scale, broadcastable to `scales`, or None.
+        scales: float32 block scales (..., blocks); for a fixed-scale format the constant d
+            (then decode is None), so that the ideal scale amax / (M_e * d) and the clipped
+            count |scaled| > M_e read as for any other format.
+        decode: the float32 second-level decode scale, broadcastable to `scales`, or None
+            (EDEN: its tensor scale t).
     """
 
     layout: object
@@ -205,7 +217,7 @@ def quantize_blocks(
     spec = resolve_spec(spec)
     _check_tensor(x, "x")
     axis = _normalize_axis(axis, x.ndim, spec, batch_dims)
-    rounding = spec.rounding if rounding is None else Rounding.parse(rounding)
+    rounding = _element_rounding(spec, rounding)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     xw = x.detach().to(work)
     if spec.hadamard is not None:
@@ -213,17 +225,46 @@ def quantize_blocks(
     layout = _layout(spec, x.shape, axis, batch_dims)
     blocks = layout.to_blocks(xw)  # (..., blocks, block elements)
     amax = _block_amax(blocks).float()
+    noise = _noise_blocks(noise, x, layout)
+    if spec.correction is Correction.EDEN:
+        if noise is None:
+            noise = layout.to_blocks(_uniforms(x, generator, None))
+        return _eden(layout, blocks, amax, spec, noise[..., 0], batch_dims)
     decode, encode = _tensor_scales(amax, spec, batch_dims)
     scales, scaled = _scale(blocks, amax, decode, encode, spec)
-    if noise is not None:
-        if not isinstance(noise, torch.Tensor) or noise.shape != x.shape:
-            shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
-            raise ValueError(f"noise must be a tensor of x's shape {tuple(x.shape)}, got {shape}")
-        noise = layout.to_blocks(noise.to(device=x.device, dtype=torch.float64))
     values = round_to_format(
         scaled, spec.element, rounding=rounding, saturate=True, generator=generator,
         sr_bits=spec.sr_bits, noise=noise,
     )
+    return BlockQuantized(layout, amax, scaled, values, scales, decode)
+
+
+def _element_rounding(spec: QuantSpec, rounding) -> Rounding:
+    """The element rounding: the spec's unless overridden (EDEN's elements are nearest)."""
+    rounding = spec.rounding if rounding is None else Rounding.parse(rounding)
+    if spec.correction is Correction.EDEN and rounding is not Rounding.NEAREST_EVEN:
+        raise ValueError(f"rounding must be nearest_even for correction=eden (spec "
+                         f"{spec.name}), got {rounding.value}")
+    return rounding
+
+
+def _noise_blocks(noise, x: torch.Tensor, layout) -> torch.Tensor | None:
+    """The caller's uniforms in block layout (float64), checked against x's shape."""
+    if noise is None:
+        return None
+    if not isinstance(noise, torch.Tensor) or noise.shape != x.shape:
+        shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
+        raise ValueError(f"noise must be a tensor of x's shape {tuple(x.shape)}, got {shape}")
+    return layout.to_blocks(noise.to(device=x.device, dtype=torch.float64))
+
+
+def _eden(layout, blocks, amax, spec: QuantSpec, uniforms, batch_dims: int) -> BlockQuantized:
+    """Quartet II's MS-EDEN (`Correction.EDEN`, `fp4lab.formats.eden`): block scales
+    corrected from the rounded elements, a tensor scale from the corrected scales, the
+    stored scales stochastically rounded with the block's first uniform."""
+    sigma, scaled, values, corrected = eden.corrected_scales(blocks, amax, spec)
+    decode = _amax_beyond(corrected, batch_dims) * 2.0**-8  # t = max_b sigma~_b / 256
+    scales = eden.stored_scales(corrected, decode, uniforms, spec.scale)
     return BlockQuantized(layout, amax, scaled, values, scales, decode)
 
 
@@ -276,32 +317,88 @@ def fake_quantize(
 # -- scale arithmetic ---------------------------------------------------------------------------
 def _scale(blocks, amax, decode, encode, spec: QuantSpec):
     """Block scales (float32) and the scaled elements, in the spec's arithmetic."""
-    arith = spec.arithmetic
-    m_e = spec.element.max
-    # -- the scale's input: a' for power-of-two rules, t = a'/M_e for the others --
-    if arith is ScaleArithmetic.TE_ENCODE:
-        scaled_amax = amax * encode
-        t = torch.clamp(amax * (encode * (1.0 / torch.tensor(m_e))), max=_FLT_MAX)
-    else:
-        scaled_amax = amax / decode if decode is not None else amax
-        if arith is ScaleArithmetic.TORCHAO_DECODE and decode is not None:
-            t = _true_div(amax, m_e) / decode
-        else:
-            t = _true_div(scaled_amax, m_e)
+    if spec.fixed_scale is not None:
+        return _fixed_scale(blocks, amax, spec)
+    if spec.scale_rule.alpha_grid:
+        return _alpha_scale(blocks, amax, spec)
+    scaled_amax, t = _scale_input(amax, decode, encode, spec)
     s = _round_scale(scaled_amax, t, spec)
-    # -- the elements --
+    return s, _scaled_elements(blocks, s, t, decode, spec)
+
+
+def _scale_input(amax, decode, encode, spec: QuantSpec):
+    """(a', t): the scale's input, a' for power-of-two rules, t = a'/M_e for the others."""
+    arith, m_e = spec.arithmetic, spec.element.max
+    if arith is ScaleArithmetic.TE_ENCODE:
+        t = torch.clamp(amax * (encode * (1.0 / torch.tensor(m_e))), max=_FLT_MAX)
+        return amax * encode, t
+    if arith is ScaleArithmetic.RECIPROCAL:
+        return amax * encode, _true_div(amax, m_e) * encode  # encode is 1 without a tensor scale
+    scaled_amax = amax / decode if decode is not None else amax
+    if arith is ScaleArithmetic.TORCHAO_DECODE and decode is not None:
+        return scaled_amax, _true_div(amax, m_e) / decode
+    return scaled_amax, _true_div(scaled_amax, m_e)
+
+
+def _scaled_elements(blocks, s, t, decode, spec: QuantSpec) -> torch.Tensor:
+    """The elements divided by (or multiplied by the reciprocal of) their block's scale."""
+    arith = spec.arithmetic
     d = decode if decode is not None else torch.ones((), dtype=torch.float32)
-    if arith is ScaleArithmetic.EXACT:
-        denom = s * d
+    if arith in (ScaleArithmetic.EXACT, ScaleArithmetic.DIVIDE_UNROUNDED):
+        denom = (s if arith is ScaleArithmetic.EXACT else t) * d
         denom = torch.where(denom == 0, torch.inf, denom)  # a zero scale flushes its block
-        scaled = blocks / denom.unsqueeze(-1).to(blocks.dtype)
-    elif arith is ScaleArithmetic.TE_ENCODE:
+        return blocks / denom.unsqueeze(-1).to(blocks.dtype)
+    if arith is ScaleArithmetic.TE_ENCODE:
         factor = torch.clamp(1.0 / (s * d), max=_FLT_MAX)
-        scaled = blocks * factor.unsqueeze(-1).to(blocks.dtype)
+        if decode is None:  # fp4-fa4's Q/K quantizer: a zero scale's multiplier is 0
+            factor = torch.where(s == 0, 0.0, factor)
+    elif arith is ScaleArithmetic.RECIPROCAL and decode is None:
+        factor = torch.where(s == 0, 0.0, 1.0 / s)  # SageAttention: SFValueInv = 0
+    elif arith is ScaleArithmetic.RECIPROCAL:
+        b = s * d
+        factor = 1.0 / torch.where(b > 0, b, 1.0)  # FastVideo: where(block_decode > 0, ., 1)
     else:
         factor = (1.0 / d) / s if decode is not None else 1.0 / s
-        scaled = blocks * factor.unsqueeze(-1).to(blocks.dtype)
-    return s, scaled
+    return blocks * factor.unsqueeze(-1).to(blocks.dtype)
+
+
+def _fixed_scale(blocks, amax, spec: QuantSpec):
+    """One constant decode scale d: scales of d everywhere, elements x / d (correctly
+    rounded; exact for a power of two)."""
+    d = spec.fixed_scale
+    scales = torch.full(amax.shape, d, dtype=torch.float32, device=amax.device)
+    return scales, blocks / torch.tensor(d, dtype=blocks.dtype, device=blocks.device)
+
+
+def _alpha_scale(blocks, amax, spec: QuantSpec):
+    """The alpha-grid rules (`ScaleRule.alpha_grid`): s = fl(2^E / M_e), elements
+    fl(x * M_e) * 2^-E; zero and subnormal amax flush, NaN and inf give a NaN scale."""
+    m_e = spec.element.max
+    e = _alpha_exponent(amax, spec.scale_rule, spec.scale)
+    flush = ~(amax >= torch.finfo(torch.float32).tiny) & torch.isfinite(amax)  # 0 or subnormal
+    s = _true_div(_pow2(e).float(), m_e)
+    s = torch.where(flush, 0.0, torch.where(torch.isfinite(amax), s, torch.nan))
+    step = torch.where(flush, 0.0, _pow2(-e)).to(blocks.dtype)  # 2^-E, exact; 0 flushes
+    return s, (blocks * m_e) * step.unsqueeze(-1)
+
+
+def _alpha_exponent(a: torch.Tensor, rule: ScaleRule, fmt: FloatFormat) -> torch.Tensor:
+    """E = floor(log2 a) + up, up from r = a / 2^floor(log2 a) as the rule says, clamped to
+    the powers of two of the scale format. Non-positive and non-finite a read as 1."""
+    mant, ex = torch.frexp(torch.where(torch.isfinite(a) & (a > 0), a, 1.0))  # a = mant * 2^ex
+    e = ex.to(torch.int64) - 1  # floor(log2 a)
+    r = 2 * mant  # in [1, 2), exact
+    if rule is ScaleRule.ALPHA_CEIL:
+        up = r > 1
+    elif rule is ScaleRule.ALPHA_MSE:
+        up = r >= 1.203125  # BF16 mantissa field >= 0x1a
+    elif rule is ScaleRule.ALPHA_HALF:
+        up = r >= 1.5
+    else:  # ALPHA_RTE: ties to an even biased exponent field
+        up = (r > 1.5) | ((r == 1.5) & ((e + 127) % 2 == 1))
+    lo = int(torch.tensor(fmt.min_subnormal).log2().floor())
+    hi = int(torch.tensor(fmt.max).log2().floor())
+    return torch.clamp(e + up.to(torch.int64), lo, hi)
 
 
 def _true_div(a: torch.Tensor, b: float) -> torch.Tensor:
@@ -321,6 +418,9 @@ def _tensor_scales(amax: torch.Tensor, spec: QuantSpec, batch_dims: int):
     if spec.arithmetic is ScaleArithmetic.TE_ENCODE:
         encode = torch.clamp(big / tensor_amax, max=_FLT_MAX)
         encode = torch.where(encode == 0, one, encode)
+        return 1.0 / encode, encode
+    if spec.arithmetic is ScaleArithmetic.RECIPROCAL:  # FastVideo: max(A, 1e-8)
+        encode = big / torch.clamp(tensor_amax, min=torch.tensor(1e-8, dtype=torch.float32))
         return 1.0 / encode, encode
     decode = tensor_amax / big
     return decode, one / decode
@@ -342,7 +442,8 @@ def _round_scale(scaled_amax: torch.Tensor, t: torch.Tensor, spec: QuantSpec) ->
         nonfinite = ~torch.isfinite(scaled_amax)
     else:
         raw = t
-        nonfinite = ~torch.isfinite(t) if spec.arithmetic is ScaleArithmetic.EXACT else None
+        keeps_nan = spec.arithmetic in (ScaleArithmetic.EXACT, ScaleArithmetic.DIVIDE_UNROUNDED)
+        nonfinite = ~torch.isfinite(t) if keeps_nan else None
     if spec.scale_floor is not None:
         raw = torch.clamp(raw, min=spec.scale_floor)
     if rule.power_of_two and spec.scale_floor is None:

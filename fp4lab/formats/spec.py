@@ -212,9 +212,11 @@ class QuantSpec:
         rounding: rounding of the elements (block scales follow `scale_rule`).
         sr_bits: random bits of stochastic rounding (None: exact); see `Rounding`.
         fixed_scale: a constant decode scale d for the whole tensor instead of one derived
-            from its amax: x^ = d * rnd(x / d) (exact division for a power of two d). Only
-            with block=None and no tensor scale; `scale_rule`, `arithmetic` and `scale` are
-            then not read. None: scales come from the amax.
+            from its amax: x^ = d * rnd(x / d) (exact division for a power of two d). No
+            tensor scale; `scale_rule`, `arithmetic` and `scale` are then not read. Named
+            formats take block=None; any block shape gives the same result (every block's
+            scale is d), which lets per-tile code give a per-tensor spec tile blocks.
+            None: scales come from the amax.
         correction: a correction of the block scales from the rounded elements
             (`Correction`); EDEN defines the whole scale chain (its docstring) and needs
             1-D blocks, a tensor scale, scale_rule NEAREST, arithmetic EXACT and nearest
@@ -287,10 +289,8 @@ class QuantSpec:
             raise ValueError(f"fixed_scale must be a positive finite float or None, got {d!r}")
         if float(torch.tensor(float(d), dtype=torch.float32)) != d:
             raise ValueError(f"fixed_scale must be a float32 number, got {d!r}")
-        if self.block is not None or self.tensor_scale:
-            raise ValueError(f"fixed_scale is one scale for the whole tensor: block must be None "
-                             f"and tensor_scale False, got block={self.block!r}, "
-                             f"tensor_scale={self.tensor_scale}")
+        if self.tensor_scale:
+            raise ValueError("fixed_scale is the whole tensor's scale: tensor_scale must be False")
         if self.scale_floor is not None or self.correction is not Correction.NONE:
             raise ValueError("fixed_scale takes no scale_floor and no correction")
 
@@ -333,8 +333,9 @@ class QuantSpec:
     @property
     def bits_per_element(self) -> float:
         """Information per element: element bits plus the block scale's bits over the block
-        (UE4M3 counts 7, though hardware stores it in a byte); the tensor scale is ignored."""
-        if self.block_size is None:
+        (UE4M3 counts 7, though hardware stores it in a byte); the tensor scale and a fixed
+        scale are not stored per block, so they count nothing."""
+        if self.block_size is None or self.fixed_scale is not None:
             return float(self.element.bits)
         return self.element.bits + self.scale.bits / self.block_size
 

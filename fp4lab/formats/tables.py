@@ -6,7 +6,7 @@ import pandas as pd
 
 from fp4lab.formats.float_format import FloatFormat
 from fp4lab.formats.registry import get, names
-from fp4lab.formats.spec import QuantSpec
+from fp4lab.formats.spec import Correction, QuantSpec
 
 __all__ = ["formats_frame", "recipes_frame", "to_markdown"]
 
@@ -25,18 +25,32 @@ def formats_frame() -> pd.DataFrame:
 
 
 def recipes_frame() -> pd.DataFrame:
-    """One row per registered QuantSpec."""
+    """One row per registered QuantSpec. Fields a format does not use print empty: a fixed
+    scale's rule, arithmetic and scale format are not read (shown as "fixed")."""
     rows = []
     for name in names(QuantSpec):
         s = get(name)
+        fixed = s.fixed_scale is not None
         rows.append({
-            "name": name, "element": s.element.name, "scale": s.scale.name,
+            "name": name, "element": s.element.name, "scale": "fixed" if fixed else s.scale.name,
             "block": "tensor" if s.block is None else "x".join(map(str, s.block)),
-            "scale_rule": s.scale_rule.value, "tensor_scale": s.tensor_scale,
-            "arithmetic": s.arithmetic.value, "hadamard": s.hadamard or "",
+            "scale_rule": "fixed" if fixed else s.scale_rule.value, "tensor_scale": s.tensor_scale,
+            "arithmetic": "fixed" if fixed else s.arithmetic.value,
+            "rounding": _rounding(s), "hadamard": s.hadamard or "",
+            "correction": "" if s.correction is Correction.NONE else s.correction.value,
+            "amax_target": s.amax_target if s.amax_target is not None else "",
+            "fixed_scale": s.fixed_scale if fixed else "",
             "bits_per_element": s.bits_per_element,
         })
     return pd.DataFrame.from_records(rows)
+
+
+def _rounding(spec: QuantSpec) -> str:
+    """The element rounding, with its random bits when they are limited (and EDEN's
+    stochastic scale rounding)."""
+    bits = f" ({spec.sr_bits} bits)" if spec.sr_bits is not None else ""
+    scales = ", stochastic scales" if spec.correction is Correction.EDEN else ""
+    return spec.rounding.value + bits + scales
 
 
 def to_markdown(frame: pd.DataFrame) -> str:
