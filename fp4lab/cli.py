@@ -20,8 +20,8 @@ import fp4lab
 from fp4lab.analysis.compare import compare, saturation
 from fp4lab.analysis.inputs import SyntheticConfig, load_inputs, synthetic_inputs
 from fp4lab.analysis.quant_error import INPUT_KINDS, error_report
-from fp4lab.recipes import STATISTICS, AttentionRecipe, resolve_recipe
 from fp4lab.formats.tables import formats_frame, recipes_frame, to_markdown
+from fp4lab.recipes import STATISTICS, AttentionRecipe, resolve_recipe
 
 DEFAULT_ERROR_SPECS = ["mxfp4", "mxfp4_rceil", "nvfp4", "nvfp4_ue5m3", "mxfp8_e4m3", "fp8_e4m3_tensor"]
 DEFAULT_ATTENTION_RECIPES = ["fa4fp4_causal", "fa4fp4_causal_mxfp4pv"]

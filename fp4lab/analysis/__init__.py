@@ -5,10 +5,9 @@ Note: `fp4lab.analysis.attention` and `fp4lab.analysis.compare` are the function
 modules are reached with ``from fp4lab.analysis.attention import ...``.
 """
 
-from fp4lab.analysis.flash import attention, patch_sdpa
-from fp4lab.analysis.quantizers import quantize_operand
 from fp4lab.analysis.bias import GradientBias, gradient_bias
 from fp4lab.analysis.compare import Comparison, compare, saturation
+from fp4lab.analysis.flash import attention, patch_sdpa
 from fp4lab.analysis.inputs import (
     AttentionInputs,
     SyntheticConfig,
@@ -16,6 +15,7 @@ from fp4lab.analysis.inputs import (
     save_inputs,
     synthetic_inputs,
 )
+from fp4lab.analysis.quantizers import quantize_operand
 
 __all__ = [
     "attention", "patch_sdpa", "quantize_operand",

@@ -72,8 +72,8 @@ def check_tiling(recipe: AttentionRecipe, d: int, dv: int, block_m: int, block_n
         spec = getattr(recipe, op.field)
         if not isinstance(spec, QuantSpec) or spec.block is None:
             continue
-        if len(spec.block) == 1:
-            pairs = [(spec.block[0], op.along)]
+        if len(spec.block) == 1:  # the extent its axis spans: a tile's columns or rows
+            pairs = [(spec.block[0], op.tile_cols if recipe.block_axis(op.field) == -1 else op.tile_rows)]
         else:
             pairs = [(spec.block[0], op.tile_rows), (spec.block[1], op.tile_cols)]
         for block, extent in pairs:

@@ -246,7 +246,8 @@ def _forward(q, k, v, cfg: CallConfig, t: Tiling, rec):
     traced = rec is not None
     draws = Draws(cfg.generator, t.bm, t.bn) if recipe.stochastic else None
     q_hat, k_hat, v_hat = (
-        quantize_field(x, recipe, field, draws, traced) for x, field in ((q_src, "q"), (kw, "k"), (vw, "v"))
+        quantize_field(x, recipe, field, draws, traced, tiling=t)
+        for x, field in ((q_src, "q"), (kw, "k"), (vw, "v"))
     )
     v_plain = t.k_tiles(vw) if recipe.leakage_fix and cfg.causal else None
     ops = Operands(
@@ -282,10 +283,11 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _smooth_q(qw: torch.Tensor, t: Tiling):
-    """Q minus its mean over each query tile's rows, and that mean (B, Hkv, G, nQ, 1, D)."""
+    """Q minus its mean over each query tile, and that mean (B, Hkv, G, nQ, 1, D): the tile's
+    sum over block_m, padding rows counting as zeros (SageAttention3's ``triton_group_mean``
+    divides by its group size)."""
     tiles = t.q_tiles(qw)  # (B, Hkv, G, nQ, bm, D)
-    rows = torch.arange(t.nQ * t.bm, device=qw.device).view(t.nQ, t.bm, 1) < t.Sq
-    q_mean = tiles.sum(dim=-2, keepdim=True) / rows.sum(dim=-2, keepdim=True)
+    q_mean = tiles.sum(dim=-2, keepdim=True) / t.bm
     return qw - t.q_untile(q_mean.expand_as(tiles)), q_mean
 
 
@@ -422,17 +424,20 @@ def _backward_operands(do, q, k, v, saved, cfg: CallConfig, t: Tiling, draws, tr
     else:
         scores = Operands(t.q_tiles(q), t.k_tiles(k), None, None, t.k_tiles(k))
     replay = Replay(forward_scores, m_ref, forward_draws) if m_ref is not None else None
-    dos = {name: quantize_field(do, recipe, field, draws, traced) for name, field in (("do_dv", "dv_do"), ("do_dp", "dp_do"))}
+    dos = {
+        name: quantize_field(do, recipe, field, draws, traced, tiling=t)
+        for name, field in (("do_dv", "dv_do"), ("do_dp", "dp_do"))
+    }
     if recipe.backward is BackwardMode.FLASH:
         v_src = v_hat if recipe.backward_v is BackwardV.FORWARD else v
         sources = {"v_dp": (v_src, "dp_v"), "k_dq": (k, "dq_k"), "q_dk": (q, "dk_q")}
-        quant = {name: quantize_field(x, recipe, field, draws, traced) for name, (x, field) in sources.items()}
+        quant = {name: quantize_field(x, recipe, field, draws, traced, tiling=t) for name, (x, field) in sources.items()}
     else:  # straight through or exact: the forward's Q^ (with its mean added back), K^, V^
         q_eff = q_hat if q_mean is None else q_hat + t.q_untile(q_mean.expand(*q_mean.shape[:4], t.bm, q_mean.shape[-1]))
         quant = {
-            "v_dp": _forward_counts(v, v_hat, recipe, "v", traced),
-            "k_dq": _forward_counts(k, k_hat, recipe, "k", traced),
-            "q_dk": _forward_counts(q, q_eff, recipe, "q", traced),
+            "v_dp": _forward_counts(v, v_hat, recipe, "v", traced, t),
+            "k_dq": _forward_counts(k, k_hat, recipe, "k", traced, t),
+            "q_dk": _forward_counts(q, q_eff, recipe, "q", traced, t),
         }
     quant.update(dos)
     tiler = {"do_dv": t.q_tiles, "do_dp": t.q_tiles, "v_dp": t.k_tiles, "k_dq": t.k_tiles, "q_dk": t.q_tiles}
@@ -440,12 +445,12 @@ def _backward_operands(do, q, k, v, saved, cfg: CallConfig, t: Tiling, draws, tr
     return quant, ops
 
 
-def _forward_counts(x, x_hat, recipe: AttentionRecipe, field: str, traced: bool) -> Quantized:
+def _forward_counts(x, x_hat, recipe: AttentionRecipe, field: str, traced: bool, t: Tiling) -> Quantized:
     """The forward's quantized operand, with its trace counts recomputed (with zero draws:
     the counts never depend on stochastic rounding's draws)."""
     if not traced:
         return Quantized(x_hat)
-    return Quantized(x_hat, quantize_field(x, recipe, field, ZeroDraws(), True).counts)
+    return Quantized(x_hat, quantize_field(x, recipe, field, ZeroDraws(), True, tiling=t).counts)
 
 
 # -- the autograd Function ---------------------------------------------------------------------

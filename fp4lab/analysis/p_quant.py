@@ -16,7 +16,7 @@ import math
 import torch
 
 from fp4lab.analysis.quantizers import Quantized, quantize_field, quantize_operand, stochastic
-from fp4lab.formats import round_to_format
+from fp4lab.formats import ScaleRule, round_to_format
 from fp4lab.recipes import AttentionRecipe, PQuant
 
 __all__ = ["quantize_p"]
@@ -46,31 +46,58 @@ def _row_scaled_p(p, recipe: AttentionRecipe, draws, counts: bool, at) -> Quanti
 
 
 def _direct_p(s, m_row, recipe: AttentionRecipe, counts: bool) -> Quantized:
-    """Direct-P (fp4-fa4 technical report, Sec. 4): E2M1 codes straight from the scores.
+    """Direct-P (fp4-fa4, ``hao_direct_transform_pack_mxfp4_quarter_log2``): E2M1 codes
+    straight from the scores.
 
-    Per block B of n keys: e_B = ceil(log2 max_j P_ij), x = (z - m) log2(e) - e_B + log2(M_e),
-    q = E2M1(2^x) or E2M1(max(0, A x + B)); the represented P is 2^e_B q / M_e.
+    Per block B of n keys: z = (s - m) log2(e) (log2 P), e_B from the block's largest z by
+    the `p` format's alpha rule (clamped to [p_min_exponent, 127]), x = z - e_B + log2(M_e),
+    q = E2M1(2^x), or E2M1(max(0, A x + B)) on the blocks `direct_p_affine_groups` selects;
+    the represented P is 2^e_B q / M_e.
     """
     spec = recipe.p
     n, m_e = spec.block[0], spec.element.max
     z = (s - m_row.unsqueeze(-1)) * _LOG2E  # log2 P, (..., bm, bn)
     zb = z.reshape(*z.shape[:-1], -1, n)  # (..., bm, bn / n, n)
-    lo, hi = math.log2(spec.scale.min_subnormal), math.log2(spec.scale.max)
-    e_b = torch.ceil(zb.amax(dim=-1, keepdim=True)).clamp(lo, hi)
+    lo = math.log2(spec.scale.min_subnormal)
+    if recipe.p_min_exponent is not None:
+        lo = max(lo, recipe.p_min_exponent)
+    top = zb.amax(dim=-1, keepdim=True)
+    e_b = _block_exponent(top, spec.scale_rule).clamp(lo, math.log2(spec.scale.max))
     x = zb - e_b + math.log2(m_e)
-    if recipe.direct_p_affine is None:
-        u = torch.exp2(x)
-    else:
+    u = torch.exp2(x)
+    if recipe.direct_p_affine is not None:
         a, b = recipe.direct_p_affine
-        u = (a * x + b).clamp(min=0)
+        affine = (a * x + b).clamp(min=0)
+        groups = recipe.direct_p_affine_groups
+        if groups is None:
+            u = affine
+        else:  # bit g: the g-th block of each key tile
+            chosen = torch.tensor([bool(groups >> g & 1) for g in range(zb.shape[-2])], device=z.device)
+            u = torch.where(chosen.view(-1, 1), affine, u)
     codes = round_to_format(u, spec.element)
     p_hat = (torch.exp2(e_b) * codes / m_e).reshape(z.shape)
     found = None
-    if counts:  # codes past M_e; e_B clamped at the scale format's bottom (no overflow)
-        seen = zb.amax(dim=-1) > -math.inf
+    if counts:  # codes past M_e; e_B clamped at the bottom (no overflow)
+        seen = top.squeeze(-1) > -math.inf
         under = ((e_b.squeeze(-1) == lo) & seen).sum((-2, -1))
         found = {
             "clipped": (u > m_e).sum((-3, -2, -1)), "blocks": seen.sum((-2, -1)),
             "scale_underflow": under, "scale_overflow": torch.zeros_like(under),
         }
     return Quantized(p_hat, found)
+
+
+def _block_exponent(top: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
+    """e_B from the log2 of a block's largest P by an alpha rule, as fp4-fa4 computes it in
+    the log domain: select 4 (ALPHA_CEIL) ceil(z); select 1 (ALPHA_HALF)
+    floor(z + 1 - log2 1.5); the others from r = 2^(z - floor z) as `ScaleRule` says."""
+    if rule is ScaleRule.ALPHA_CEIL:
+        return torch.ceil(top)
+    if rule is ScaleRule.ALPHA_HALF:
+        return torch.floor(top + 1 - math.log2(1.5))
+    floor = torch.floor(top)
+    r = torch.exp2(top - floor)
+    if rule is ScaleRule.ALPHA_MSE:
+        return floor + (r >= 1.203125)
+    odd = torch.remainder(floor + 127, 2) == 1  # ALPHA_RTE
+    return floor + ((r > 1.5) | ((r == 1.5) & odd))

@@ -18,10 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from fp4lab.analysis.tile_stats import exact_count
+from fp4lab.analysis.tiling import Tiling
 from fp4lab.formats import FloatFormat, QuantSpec, Rounding, quantize_blocks, round_to_format
-from fp4lab.recipes import AttentionRecipe, operand
+from fp4lab.recipes import AttentionRecipe, Seq, TensorScope, operand
 
 __all__ = ["Quantized", "quantize_operand", "quantize_field", "stochastic"]
 
@@ -60,12 +62,14 @@ def quantize_operand(
     counts: bool = False,
     noise: torch.Tensor | None = None,
     generator: torch.Generator | int | None = None,
+    scope_dims: int = 0,
 ) -> Quantized:
     """Quantize one operand as attention does: ``fake_quantize(x * lift, spec) / lift``.
 
-    x is a whole tensor or, with `per_tile`, a batch of tiles (its last two dims).
-    Stochastic rounding uses `noise` (uniforms of x's shape) or draws from `generator`.
-    See the module docstring.
+    x is a whole tensor or, with `per_tile`, a batch of tiles (its last two dims). A whole
+    tensor's tensor scale is taken over all of it, or separately for each index of its
+    first `scope_dims` dims. Stochastic rounding uses `noise` (uniforms of x's shape) or
+    draws from `generator`. See the module docstring.
     """
     if spec is None:
         return Quantized(x, None)
@@ -77,25 +81,59 @@ def quantize_operand(
             clipped = xs.abs() > spec.max
             found = {"clipped": clipped.sum((-2, -1)) if per_tile else clipped}
     else:
-        values, found = _block_quantize(xs, spec, axis, per_tile, counts, noise, generator)
+        values, found = _block_quantize(xs, spec, axis, per_tile, counts, noise, generator, scope_dims)
     if lift != 1.0:
         values = values / lift
     return Quantized(values, found)
 
 
-def quantize_field(x, recipe: AttentionRecipe, field: str, draws, counts: bool, at=None) -> Quantized:
-    """Operand `field` of `recipe`, along its product's reduction axis; a stochastic spec
-    rounds with `draws` (a `streams.Draws`) at the operand's position: a tile tensor's first
-    (query tile, key tile) `at`, or a whole tensor."""
-    spec, op = getattr(recipe, field), operand(field)
-    return quantize_operand(
-        x, spec, axis=op.axis, per_tile=op.per_tile,
-        lift=getattr(recipe, op.lift) if op.lift else 1.0, counts=counts,
-        noise=draws.for_operand(field, x, at) if stochastic(spec) else None,
-    )
+def quantize_field(x, recipe: AttentionRecipe, field: str, draws, counts: bool, at=None,
+                   tiling: Tiling | None = None) -> Quantized:
+    """Operand `field` of `recipe`, along its blocks' axis (`AttentionRecipe.block_axis`); a
+    stochastic spec rounds with `draws` (a `streams.Draws`) at the operand's position: a tile
+    tensor's first (query tile, key tile) `at`, or a whole tensor (B, H, S, E), whose tensor
+    scale is taken as `recipe.tensor_scope` says, over the call's `tiling`: per tile of its
+    side's rows, or per (batch, KV head) (a query-side tensor's G heads of a group share it)."""
+    spec, op, axis = getattr(recipe, field), operand(field), recipe.block_axis(field)
+    noise = draws.for_operand(field, x, at) if stochastic(spec) else None
+    lift = getattr(recipe, op.lift) if op.lift else 1.0
+    if op.per_tile or recipe.tensor_scope is TensorScope.TENSOR:
+        return quantize_operand(x, spec, axis=axis, per_tile=op.per_tile, lift=lift, counts=counts, noise=noise)
+    query_side = op.seq is Seq.QUERY
+    if recipe.tensor_scope is TensorScope.HEAD:
+        return _quantize_per_group(x, spec, axis, tiling.G if query_side else 1, lift, counts, noise)
+    return _quantize_in_tiles(x, spec, axis, tiling.bm if query_side else tiling.bn, lift, counts, noise)
 
 
-def _block_quantize(x, spec: QuantSpec, axis: int, per_tile: bool, counts: bool, noise, generator):
+def _quantize_per_group(x, spec, axis: int, groups: int, lift: float, counts: bool, noise) -> Quantized:
+    """A whole tensor (B, H, S, E) whose tensor scale is taken per (batch, key/value head):
+    `groups` consecutive heads (a query-side tensor's heads of one KV head) share one."""
+    b, h, n, e = x.shape
+    view = lambda t: t.reshape(b, h // groups, groups, n, e)  # noqa: E731  (B, Hkv, G, S, E)
+    noise = view(noise) if noise is not None else None
+    out = quantize_operand(view(x), spec, axis=axis, lift=lift, counts=counts, noise=noise, scope_dims=2)
+    found = None
+    if out.counts is not None:
+        found = {k: v.reshape(x.shape) if v is not None else None for k, v in out.counts.items()}
+    return Quantized(out.values.reshape(x.shape), found)
+
+
+def _quantize_in_tiles(x, spec, axis: int, rows: int, lift: float, counts: bool, noise) -> Quantized:
+    """A whole tensor (B, H, S, E) whose tensor scale is taken per tile of `rows` rows."""
+    b, h, n, e = x.shape
+    pad = -n % rows
+    cut = lambda t: F.pad(t, (0, 0, 0, pad)).reshape(b, h, -1, rows, e)  # noqa: E731  (B, H, nT, rows, E)
+    join = lambda t: t.reshape(b, h, n + pad, e)[:, :, :n]  # noqa: E731
+    noise = cut(noise) if noise is not None else None
+    out = quantize_operand(cut(x), spec, axis=axis, lift=lift, counts=counts, noise=noise, scope_dims=3)
+    found = None
+    if out.counts is not None:
+        found = {k: join(v) if v is not None else None for k, v in out.counts.items()}
+    return Quantized(join(out.values), found)
+
+
+def _block_quantize(x, spec: QuantSpec, axis: int, per_tile: bool, counts: bool, noise, generator,
+                    scope_dims: int = 0):
     """fp4lab.formats' quantize pipeline and its dequantization (`quantize_blocks`), with the
     tensor scale taken over the whole of x or, with per_tile, over each tile (the last two
     dims: batch_dims = x.ndim - 2)."""
@@ -106,7 +144,7 @@ def _block_quantize(x, spec: QuantSpec, axis: int, per_tile: bool, counts: bool,
             raise ValueError(f"spec {spec.name!r}: a per-tile scale does not combine with a Hadamard transform")
         # one scale per tile: a 2-D block covering the tile (then the counts' sums below hold)
         spec, axis = dataclasses.replace(spec, block=tuple(x.shape[-2:])), -1
-    batch_dims = x.ndim - 2 if per_tile and spec.tensor_scale else 0
+    batch_dims = (x.ndim - 2 if spec.tensor_scale else 0) if per_tile else scope_dims
     b = quantize_blocks(x, spec, axis=axis, batch_dims=batch_dims, noise=noise, generator=generator)
     found = _counts(b.scaled, b.amax, b.decode, spec, b.layout, per_tile) if counts else None
     return b.dequantize(x.dtype), found

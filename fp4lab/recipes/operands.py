@@ -125,7 +125,7 @@ OPERANDS = (
     Operand("k", Product.QK, "b", "k", -1, _E.HEAD_DIM, _E.SEQ, _E.HEAD_DIM, False, None, _K, 1),
     Operand("p", Product.PV, "a", "p", -1, _E.BLOCK_N, _E.BLOCK_M, _E.BLOCK_N, True, "p_lift", _Q, 3),
     Operand("v", Product.PV, "b", "v", -2, _E.SEQ, _E.SEQ, _E.V_DIM, False, None, _K, 2),
-    Operand("dv_p", Product.DV, "a", "p", -2, _E.BLOCK_M, _E.BLOCK_M, _E.BLOCK_N, True, "p_lift", _Q, 4),
+    Operand("dv_p", Product.DV, "a", "p", -2, _E.BLOCK_M, _E.BLOCK_M, _E.BLOCK_N, True, "dv_p_lift", _Q, 4),
     Operand("dv_do", Product.DV, "b", "do", -2, _E.SEQ, _E.SEQ, _E.V_DIM, False, None, _Q, 5),
     Operand("dp_do", Product.DP, "a", "do", -1, _E.V_DIM, _E.SEQ, _E.V_DIM, False, None, _Q, 6),
     Operand("dp_v", Product.DP, "b", "v", -1, _E.V_DIM, _E.SEQ, _E.V_DIM, False, None, _K, 7),

@@ -27,7 +27,7 @@ from fp4lab.formats import (
     get,
     parse_enum,
 )
-from fp4lab.recipes.operands import OPERAND_FIELDS, Product
+from fp4lab.recipes.operands import OPERAND_FIELDS, Product, operand
 
 __all__ = [
     "PQuant", "RowReference", "RowSum", "KVOrder", "SmoothK", "TensorScope", "BackwardMode",
@@ -249,10 +249,14 @@ class AttentionRecipe:
         dq_ds, dq_k: dQ = dS K operands (along the keys).
         dk_ds, dk_q: dK = dS^T Q operands (along the queries).
         p_quant: how the forward quantizes P (`PQuant`).
-        p_lift: the constant P is multiplied by before `p` (with `PQuant.SPEC`) and `dv_p`
-            quantize it, divided out afterwards (exact for a power of two; otherwise the
-            float32 multiply and divide round, as the kernel's do).
+        p_lift: the constant P is multiplied by before `p` quantizes it (with `PQuant.SPEC`),
+            divided out afterwards (exact for a power of two; otherwise the float32 multiply
+            and divide round, as the kernel's do).
+        dv_p_lift: the same for the backward's P before `dv_p`.
         ds_lift: the same for dS before `dq_ds` / `dk_ds`.
+        block_axes: operands whose 1-D blocks run along another axis of their tensor than
+            their product's reduction axis, as (field, axis) pairs (Attn-QAT fake-quantizes V
+            along head_dim: (("v", -1),)).
         row_reference: what P = exp(S - m) takes as m (`RowReference`).
         lazy_rescale_log2: `RowReference.LAZY_MAX`'s threshold, in powers of two.
         anchor_keys, anchor_margin: `RowReference.ANCHOR`'s keys and margin (in units of the
@@ -307,7 +311,9 @@ class AttentionRecipe:
     dk_q: OperandSpec = None
     p_quant: PQuant = PQuant.SPEC
     p_lift: float = 1.0
+    dv_p_lift: float = 1.0
     ds_lift: float = 1.0
+    block_axes: tuple[tuple[str, int], ...] = ()
     row_reference: RowReference = RowReference.RUNNING_MAX
     lazy_rescale_log2: float = 8.0
     anchor_keys: int = 32
@@ -341,8 +347,9 @@ class AttentionRecipe:
             object.__setattr__(self, field, _resolve_operand(getattr(self, field), field))
         for field, kind in _ENUM_FIELDS.items():
             object.__setattr__(self, field, parse_enum(kind, getattr(self, field), field))
-        for field in ("p_lift", "ds_lift"):
+        for field in ("p_lift", "dv_p_lift", "ds_lift"):
             _check_positive(getattr(self, field), field)
+        object.__setattr__(self, "block_axes", _check_block_axes(self.block_axes))
         self._check_numbers()
         self._check_p_quant()
         self._check_backward()
@@ -389,6 +396,11 @@ class AttentionRecipe:
             raise ValueError(
                 f"p_quant=direct maps scores to E2M1 codes: p.element must be FP4_E2M1, got {self.p.element.name}"
             )
+        if self.p_quant is PQuant.DIRECT and not self.p.scale_rule.alpha_grid:
+            raise ValueError(
+                "p_quant=direct places a block's largest code at a power of two: p needs an "
+                f"alpha scale rule (alpha_ceil, alpha_half, ...), got {self.p.scale_rule.value}"
+            )
 
     def _check_backward(self) -> None:
         fixed = {
@@ -423,6 +435,11 @@ class AttentionRecipe:
                 "leakage_fix computes the diagonal blocks of V (along the sequence) unquantized: "
                 f"v must be a block format with blocks, got {v!r}"
             )
+
+    def block_axis(self, field: str) -> int:
+        """The axis operand `field`'s 1-D blocks run along: its product's reduction axis
+        (`fp4lab.recipes.operands`) unless `block_axes` says otherwise."""
+        return dict(self.block_axes).get(field, operand(field).axis)
 
     @property
     def leakage_block(self) -> int:
@@ -470,6 +487,19 @@ def _resolve_operand(value, field: str) -> OperandSpec:
     raise TypeError(
         f"{field} must be a QuantSpec, a FloatFormat, a registered name or None, got {type(value).__name__}"
     )
+
+
+def _check_block_axes(pairs) -> tuple[tuple[str, int], ...]:
+    try:
+        pairs = tuple((field, axis) for field, axis in pairs)
+    except (TypeError, ValueError):
+        raise ValueError(f"block_axes must be (field, axis) pairs, got {pairs!r}") from None
+    for field, axis in pairs:
+        if field not in OPERAND_FIELDS:
+            raise ValueError(f"block_axes: {field!r} is not an operand field ({', '.join(OPERAND_FIELDS)})")
+        if axis not in (-1, -2):
+            raise ValueError(f"block_axes: the axis of {field!r} must be -1 or -2, got {axis!r}")
+    return pairs
 
 
 def _check_int(value, field: str, *, low: int, optional: bool = False) -> None:

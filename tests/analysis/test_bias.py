@@ -15,10 +15,10 @@ import torch
 from scipy import stats
 
 import fp4lab.formats as F
-from fp4lab.recipes import AttentionRecipe
 from fp4lab.analysis.bias import derive_seeds, gradient_bias
 from fp4lab.analysis.compare import compare, exact_reference, forward_backward
 from fp4lab.analysis.inputs import synthetic_inputs
+from fp4lab.recipes import AttentionRecipe
 
 N = 32
 ALPHA = 1e-6

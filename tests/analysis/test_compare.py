@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp4lab.recipes import Trace
 from fp4lab.analysis.compare import TENSORS, compare, error_metrics, exact_reference, saturation
 from fp4lab.analysis.inputs import synthetic_inputs
+from fp4lab.recipes import Trace
 
 OPTS = dict(block_m=32, block_n=32)
 

@@ -19,26 +19,28 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fp4lab.analysis import attention, patch_sdpa
-from fp4lab.recipes import Trace
 from fp4lab.analysis.p_quant import _direct_p, quantize_p
 from fp4lab.analysis.quantizers import quantize_operand
-from fp4lab.recipes import (
-    PRESETS,
-    AttentionRecipe,
-    BackwardP,
-    PQuant,
-    RowSum,
-    resolve_recipe,
-)
 from fp4lab.formats import (
+    BF16,
+    BLOCK_FORMATS,
     FP4_E2M1,
     FloatFormat,
     fake_quantize,
     get,
     round_to_format,
 )
-from fp4lab.formats import (
-    BLOCK_FORMATS,
+from fp4lab.recipes import (
+    PRESETS,
+    AttentionRecipe,
+    BackwardP,
+    DeltaSource,
+    DsP,
+    PQuant,
+    RowSum,
+    TensorScope,
+    Trace,
+    resolve_recipe,
 )
 
 F64 = torch.float64
@@ -89,6 +91,18 @@ def fq_tiles(x, spec, axis, prescale=1.0):
     return out
 
 
+def fq_whole(x, spec, axis, recipe, groups=1):
+    """fq of a whole tensor (B, H, S, E) as the recipe's tensor_scope takes its tensor scale:
+    over all of it, or per (batch, KV head) with `groups` query heads a KV head."""
+    if recipe.tensor_scope is TensorScope.TENSOR:
+        return fq(x, spec, axis)
+    assert recipe.tensor_scope is TensorScope.HEAD
+    view = x.reshape(x.shape[0], x.shape[1] // groups, groups, *x.shape[2:])
+    out = torch.stack([torch.stack([fq(view[b, h], spec, axis) for h in range(view.shape[1])])
+                       for b in range(view.shape[0])])
+    return out.reshape(x.shape)
+
+
 def expand(x, heads):
     return x.repeat_interleave(heads // x.shape[1], dim=1)
 
@@ -100,7 +114,9 @@ def causal_mask(sq, sk):
 def dense_attention(q, k, v, recipe, causal=False):
     """O and lse of a PQuant.SPEC recipe, densely (one tile)."""
     h, scale = q.shape[1], 1 / math.sqrt(q.shape[-1])
-    qh, kh, vh = fq(q, recipe.q, -1), expand(fq(k, recipe.k, -1), h), expand(fq(v, recipe.v, -2), h)
+    g = h // k.shape[1]
+    qh = fq_whole(q, recipe.q, -1, recipe, g)
+    kh, vh = expand(fq_whole(k, recipe.k, -1, recipe), h), expand(fq_whole(v, recipe.v, -2, recipe), h)
     s = scale * qh @ kh.transpose(-1, -2)
     if causal:
         s = s.masked_fill(~causal_mask(*s.shape[-2:]), -math.inf)
@@ -120,10 +136,12 @@ def dense_backward(q, k, v, do, o, lse, recipe, causal=False):
     if causal:
         s = s.masked_fill(~causal_mask(*s.shape[-2:]), -math.inf)
     p = torch.exp(s - lse)
-    delta = (do * o).sum(-1, keepdim=True)
-    dv = fq_tiles(p, recipe.dv_p, -2, recipe.p_lift).transpose(-1, -2) @ fq(do, recipe.dv_do, -2)
-    dp = fq(do, recipe.dp_do, -1) @ expand(fq(v, recipe.dp_v, -1), h).transpose(-1, -2)
-    ds = p * (dp - delta)
+    do_dp = fq(do, recipe.dp_do, -1)
+    delta = ((do_dp if recipe.delta is DeltaSource.QUANTIZED_DO else do) * o).sum(-1, keepdim=True)
+    p_dv = fq_tiles(p, recipe.dv_p, -2, recipe.dv_p_lift)
+    dv = p_dv.transpose(-1, -2) @ fq(do, recipe.dv_do, -2)
+    dp = do_dp @ expand(fq(v, recipe.dp_v, -1), h).transpose(-1, -2)
+    ds = (p_dv if recipe.ds_p is DsP.DV_OPERAND else p) * (dp - delta)
     dq = scale * fq_tiles(ds, recipe.dq_ds, -1, recipe.ds_lift) @ expand(fq(k, recipe.dq_k, -2), h)
     dk = scale * fq_tiles(ds, recipe.dk_ds, -2, recipe.ds_lift).transpose(-1, -2) @ fq(q, recipe.dk_q, -2)
     group = lambda x: x.reshape(x.shape[0], hk, h // hk, *x.shape[2:]).sum(2)  # noqa: E731
@@ -278,7 +296,10 @@ def test_key_tile_groups_give_the_online_softmax_values(monkeypatch, budget, cau
 
 # -- every operand is fake_quantize of that operand ---------------------------------------------
 # deterministic ones: stochastic rounding is checked with its draws in test_stochastic_*
-SPECS = [s.name for s in BLOCK_FORMATS if s.rounding.value != "stochastic"]
+SPECS = [
+    s.name for s in BLOCK_FORMATS
+    if s.rounding.value != "stochastic" and (s.hadamard or 1) <= 32 and s.correction.value == "none"
+]
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -356,7 +377,7 @@ def test_per_tile_p_scale_does_not_couple_batch_entries():
 # -- each preset's defining behaviour ---------------------------------------------------------------
 def test_fa3_incoherent_processing_cancels_and_spreads_outliers():
     q, k, v = qkv(1, 2, 2, 128, 128, 64, seed=40)
-    unquantized = dataclasses.replace(resolve_recipe("fa3_fp8"), name="rot", q=None, k=None, v=None, p=None)
+    unquantized = dataclasses.replace(resolve_recipe("fa3_fp8_paper"), name="rot", q=None, k=None, v=None, p=None)
     close(attention(q, k, v, unquantized), attention(q, k, v), 1e-12)
     # FlashAttention-3's outlier inputs: N(0,1) + N(0,100) * Bernoulli(0.001)
     g = torch.Generator().manual_seed(41)
@@ -364,14 +385,14 @@ def test_fa3_incoherent_processing_cancels_and_spreads_outliers():
     q, k, v = heavy(), heavy(), heavy()
     exact = attention(q, k, v)
     err = lambda r: ((attention(q, k, v, r) - exact).norm() / exact.norm()).item()  # noqa: E731
-    plain = dataclasses.replace(resolve_recipe("fa3_fp8"), name="no_rot", incoherent_processing=False)
-    assert err("fa3_fp8") < err(plain)
+    plain = dataclasses.replace(resolve_recipe("fa3_fp8_paper"), name="no_rot", incoherent_processing=False)
+    assert err("fa3_fp8_paper") < err(plain)
 
 
 def test_fa3_needs_a_power_of_two_head_dim():
     q, k, v = qkv(1, 1, 1, 8, 8, 48)
     with pytest.raises(ValueError, match="head_dim=48"):
-        attention(q, k, v, "fa3_fp8")
+        attention(q, k, v, "fa3_fp8_paper")
 
 
 def test_sageattn3_smoothing_leaves_the_unquantized_output_unchanged():
@@ -392,8 +413,8 @@ def test_sageattn3_smoothing_leaves_the_unquantized_output_unchanged():
     assert err("sageattn3") < err(dataclasses.replace(resolve_recipe("sageattn3"), name="unsmoothed", smooth_k="none"))
 
 
-def test_sageattn3_two_level_p_maps_each_row_max_to_448_times_6():
-    recipe = resolve_recipe("sageattn3")
+def test_sageattn3_paper_two_level_p_maps_each_row_max_to_448_times_6():
+    recipe = resolve_recipe("sageattn3_paper")
     s = rand(1, 1, 1, 16, 64, seed=45, scale=3.0)
     m = s.amax(-1)
     p = torch.exp(s - m.unsqueeze(-1)) * 0.37  # a tile whose rows do not reach 1
@@ -403,19 +424,23 @@ def test_sageattn3_two_level_p_maps_each_row_max_to_448_times_6():
     close(p_hat, fq(p * r, get("nvfp4_1level"), -1) / r, 1e-15)
 
 
-def dense_ste_attention(q, k, v, recipe):
-    """Attn-QAT's value and gradient as an autograd graph: the value P^ V^ / sum P; dV from
-    P^; dS the gradient of softmax(S^) V^; straight through the quantizers of Q, K, V."""
+def dense_attn_qat(q, k, v, do, recipe):
+    """Attn-QAT as FastVideo's training kernel computes it, densely (one tile): O = P^ V^ /
+    sum P with P = exp(S^ - m) quantized along the keys; dV from the normalized P
+    re-quantized; dS = bf16(P (dP - D)), D = rowsum(dO * O'), O' = P V^ / sum P; dQ, dK on
+    K^, Q^ (straight through to Q, K, V)."""
     scale = 1 / math.sqrt(q.shape[-1])
     q_hat, k_hat = fake_quantize(q, recipe.q), fake_quantize(k, recipe.k)
-    v_hat = fake_quantize(v, recipe.v, axis=-2)
+    v_hat = fake_quantize(v, recipe.v, axis=-1)  # V along head_dim
     s = scale * q_hat @ k_hat.transpose(-1, -2)
-    p = torch.exp(s - s.amax(-1, keepdim=True)).detach()
-    r = 448 * 6 / p.amax(-1, keepdim=True)
-    p_hat = fake_quantize(p * r, recipe.p) / r
-    value = p_hat @ v_hat / p.sum(-1, keepdim=True)
-    soft = s.softmax(-1) @ v_hat.detach()
-    return value + soft - soft.detach()
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    out = fake_quantize(p, recipe.p) @ v_hat / p.sum(-1, keepdim=True)
+    p_norm = s.softmax(-1)
+    dv = fake_quantize(p_norm, recipe.p).transpose(-1, -2) @ do
+    dp = do @ v_hat.transpose(-1, -2)
+    delta = (do * (p_norm @ v_hat)).sum(-1, keepdim=True)
+    ds = round_to_format(p_norm * (dp - delta), BF16)
+    return out, (scale * ds @ k_hat, scale * ds.transpose(-1, -2) @ q_hat, dv)
 
 
 def test_attn_qat_backward_is_straight_through_its_forward():
@@ -423,9 +448,9 @@ def test_attn_qat_backward_is_straight_through_its_forward():
     q, k, v = (x.requires_grad_() for x in qkv(1, 2, 2, 40, 48, 32, seed=46))
     do = rand(1, 2, 40, 32, seed=47)
     out = attention(q, k, v, recipe, block_m=64, block_n=64)
-    ref = dense_ste_attention(q, k, v, recipe)
+    ref, want = dense_attn_qat(q.detach(), k.detach(), v.detach(), do, recipe)
     close(out, ref, 1e-12)
-    for g, r in zip(grads(out, (q, k, v), do), grads(ref, (q, k, v), do), strict=True):
+    for g, r in zip(grads(out, (q, k, v), do), want, strict=True):
         close(g, r, 1e-10)
 
 
@@ -467,18 +492,19 @@ def test_direct_p_denominator_is_the_sum_of_the_p_that_pv_consumes():
 
 
 def test_direct_p_affine_code_map():
-    recipe = resolve_recipe("fa4fp4_directp")  # A = 1.50, B = 1.20
-    # one row, one block of 32: log2 P = 0, -1, -2, -3, then very small
-    log2p = torch.tensor([0.0, -1.0, -2.0, -3.0] + [-40.0] * 28, dtype=F64)
-    s = (log2p / math.log2(math.e)).view(1, 1, 1, 1, 1, 32)
+    recipe = resolve_recipe("fa4fp4_directp")  # A = 1.50, B = 1.20 on blocks 1..3 of a key tile
+    # one row, two blocks of 32, each: log2 P = 0, -1, -2, -3, then very small
+    log2p = torch.tensor(([0.0, -1.0, -2.0, -3.0] + [-40.0] * 28) * 2, dtype=F64)
+    s = (log2p / math.log2(math.e)).view(1, 1, 1, 1, 1, 64)
     p_hat = _direct_p(s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), recipe, counts=False).values.flatten()
-    # x = log2 P + log2 6; u = 1.5 x + 1.2 -> 5.08, 3.58, 2.08, 0.58 -> E2M1 6, 4, 2, 0.5
-    assert p_hat[:4].tolist() == [1.0, 4 / 6, 2 / 6, 0.5 / 6]
-    assert p_hat[4:].eq(0).all()
-    ideal = dataclasses.replace(recipe, name="ideal", direct_p_affine=None)
-    p_ideal = _direct_p(s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), ideal, counts=False).values.flatten()
-    # 6 P = 6, 3, 1.5 are E2M1 values; 0.75 ties between 0.5 and 1 and goes to even 1
-    assert p_ideal[:4].tolist() == [1.0, 0.5, 0.25, 1 / 6]
+    # block 0, exact exp2: 6 P = 6, 3, 1.5 are E2M1 values; 0.75 ties between 0.5 and 1 -> 1
+    assert p_hat[:4].tolist() == [1.0, 0.5, 0.25, 1 / 6]
+    # block 1, affine: x = log2 P + log2 6; u = 1.5 x + 1.2 -> 5.08, 3.58, 2.08, 0.58 -> 6, 4, 2, 0.5
+    assert p_hat[32:36].tolist() == [1.0, 4 / 6, 2 / 6, 0.5 / 6]
+    assert p_hat[4:32].eq(0).all() and p_hat[36:].eq(0).all()
+    everywhere = dataclasses.replace(recipe, name="affine_all", direct_p_affine_groups=None)
+    p_all = _direct_p(s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), everywhere, counts=False).values.flatten()
+    assert p_all[:4].tolist() == p_all[32:36].tolist() == [1.0, 4 / 6, 2 / 6, 0.5 / 6]
 
 
 def test_direct_p_values_are_power_of_two_times_e2m1_over_6():
@@ -516,7 +542,7 @@ def test_fa4fp4_backward_rebuilds_p_from_the_quantized_qk():
     # softmax(S^) V with S^ from the quantized Q, K; dQ = dS K and dK = dS^T Q multiply the
     # unquantized operands (the backward fields are None), as an autograd graph:
     s = q @ k.transpose(-1, -2) / 8.0
-    s_hat = fake_quantize(q.detach(), "nvfp4") @ fake_quantize(k.detach(), "nvfp4").transpose(-1, -2) / 8.0
+    s_hat = fake_quantize(q.detach(), "nvfp4_1level") @ fake_quantize(k.detach(), "nvfp4_1level").transpose(-1, -2) / 8.0
     s = (s + (s_hat - s).detach()).masked_fill(~causal_mask(48, 48), -math.inf)
     ref = s.softmax(-1) @ v
     close(out, ref, 1e-12)
@@ -541,7 +567,8 @@ def test_croissattn_rounds_the_backward_stochastically_and_reproducibly():
 
 
 @given(
-    name=st.sampled_from([r.name for r in PRESETS] + ["nvfp4", "mxfp4", "nvfp4_2d"]),
+    # (croissattn_eden's Hadamard transforms of 128 need tiles and head_dim of 128: tested apart)
+    name=st.sampled_from([r.name for r in PRESETS if r.name != "croissattn_eden"] + ["nvfp4", "mxfp4", "nvfp4_2d"]),
     hk=st.integers(1, 2), group=st.integers(1, 2), sq=st.integers(1, 70), sk=st.integers(1, 70),
     d=st.sampled_from([32, 64]), causal=st.booleans(), bm=st.sampled_from([32, 64]),
     bn=st.sampled_from([32, 64]), seed=st.integers(0, 2**16),

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 import fp4lab.formats as formats
 from fp4lab.analysis import attention, patch_sdpa
-from fp4lab.recipes import AttentionRecipe, Trace
-from fp4lab.recipes import BackwardMode, DeltaSource
+from fp4lab.recipes import AttentionRecipe, BackwardMode, DeltaSource, Trace
 
 
 def qkv(seed=0, shape=(1, 2, 64, 32)):

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from fp4lab.analysis import attention
-from fp4lab.recipes import AttentionRecipe, Trace
-from fp4lab.recipes import OPERAND_COLUMNS, OUT_COLUMNS, PRODUCT_COLUMNS
 from fp4lab.formats import FP8_E4M3FN, fake_quantize, round_to_format
+from fp4lab.recipes import OPERAND_COLUMNS, OUT_COLUMNS, PRODUCT_COLUMNS, AttentionRecipe, Trace
 from tests.analysis.test_flash import causal_mask, qkv, rand
 
 ID_COLUMNS = ["call", "recipe", "product", "a_name", "b_name", "batch", "head", "kv_head", "q_tile", "k_tile"]

@@ -6,22 +6,23 @@ import pytest
 import torch
 
 from fp4lab.analysis import attention
+from fp4lab.formats import BF16, FP8_E4M3FN, get, names, unregister
 from fp4lab.recipes import (
     PRESETS,
     AttentionRecipe,
     BackwardMode,
     BackwardP,
-    DeltaSource,
     PQuant,
     Product,
     RowSum,
     resolve_recipe,
 )
-from fp4lab.formats import BF16, FP8_E4M3FN, QuantSpec, Rounding, get, names, unregister
 
 PRESET_NAMES = [
-    "exact", "flash_bf16", "fp8_per_tensor", "fa3_fp8", "sageattn3", "attn_qat_dropin", "attn_qat",
-    "fa4fp4_directp", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv", "croissattn",
+    "exact", "flash_bf16", "fp8_per_tensor", "fa3_fp8", "fa3_fp8_paper", "sageattn3",
+    "sageattn3_paper", "attn_qat", "attn_qat_kernel", "attn_qat_dropin", "fa4fp4_causal",
+    "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64", "fa4fp4_causal_mxfp4pv_fixed",
+    "fa4fp4_causal_mxfp8pv", "fa4fp4_directp", "croissattn", "croissattn_eden",
 ]
 
 
@@ -32,7 +33,9 @@ def test_every_preset_resolves_by_name_and_documents_itself(name):
     assert recipe in PRESETS
     if name != "exact":
         assert "Assumption" in recipe.doc, f"{name} must state its assumptions"
-    assert any(src in recipe.doc for src in ("arXiv", "fp4-fa4", "talk", "FlashAttention")), recipe.doc
+    assert recipe.source, f"{name} must name the code or paper it follows"
+    # it cites a file of released code, a paper or (CroissAttn) the talk
+    assert any(src in recipe.doc for src in ("``", "arXiv", "talk")), recipe.doc
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
@@ -48,7 +51,7 @@ def test_bf16_preset_has_a_name_of_its_own():
     preset, uniform = resolve_recipe("flash_bf16"), resolve_recipe("bf16")
     for recipe in (preset, uniform):
         assert all(s is BF16 for s in (getattr(recipe, f) for p in Product for f in p.fields))
-    assert uniform.name == "bf16" and dataclasses.replace(uniform, name="flash_bf16", doc=preset.doc) == preset
+    assert uniform.name == "bf16" and dataclasses.replace(uniform, name="flash_bf16", doc=preset.doc, source=preset.source) == preset
 
 
 def test_a_format_name_is_a_uniform_recipe():
@@ -141,31 +144,4 @@ def test_products_name_their_operands_and_fields():
     assert Product.DV.fields == ("dv_p", "dv_do") and Product.DV.operand_names == ("p", "do")
     assert [p.value for p in Product] == ["qk", "pv", "dv", "dp", "dq", "dk"]
     recipe = resolve_recipe("fa4fp4_causal")
-    assert recipe.operands("dp") == (get("fp8_e5m2_tensor"), get("fp8_e4m3_tensor"))
-
-
-# -- the presets' literals say what their docstrings say -------------------------------------------
-def test_preset_literals():
-    nvfp4 = get("nvfp4")
-    sage = resolve_recipe("sageattn3")
-    assert sage.smooth_k and sage.smooth_q and sage.p_quant is PQuant.ROW_SCALED
-    assert sage.q.element.name == "fp4_e2m1" and sage.q.block == (16,) and not sage.q.tensor_scale
-    qat, dropin = resolve_recipe("attn_qat"), resolve_recipe("attn_qat_dropin")
-    assert qat.backward is BackwardMode.STRAIGHT_THROUGH and qat.delta is DeltaSource.UNQUANTIZED_P_OUTPUT
-    assert dropin.backward_p is BackwardP.UNQUANTIZED_QK and dropin.delta is DeltaSource.OUTPUT
-    assert (qat.q, qat.k, qat.v, qat.p) == (dropin.q, dropin.k, dropin.v, dropin.p)
-    direct = resolve_recipe("fa4fp4_directp")
-    assert direct.direct_p_affine == (1.50, 1.20) and direct.row_sum is RowSum.QUANTIZED_P
-    assert direct.p is get("mxfp4") and direct.v is get("mxfp4") and direct.q is nvfp4
-    causal, mx = resolve_recipe("fa4fp4_causal"), resolve_recipe("fa4fp4_causal_mxfp4pv")
-    assert causal.dv_do.element.name == "fp8_e5m2" and causal.dp_do.element.name == "fp8_e5m2"
-    assert {causal.dq_k.element.name, causal.dk_q.element.name, causal.dp_v.element.name} == {"fp8_e4m3fn"}
-    assert causal.p is FP8_E4M3FN and mx.p is get("mxfp4") and mx.p_quant is PQuant.DIRECT
-    assert {f: getattr(causal, f) for f in ("dv_p", "dq_ds", "dk_ds")} == {f: getattr(mx, f) for f in ("dv_p", "dq_ds", "dk_ds")}
-    croiss = resolve_recipe("croissattn")
-    assert croiss.row_sum is RowSum.QUANTIZED_P and croiss.stochastic
-    assert all(isinstance(s, QuantSpec) for s in (getattr(croiss, f) for p in Product for f in p.fields))
-    assert croiss.q.rounding is Rounding.NEAREST_EVEN and croiss.dq_ds.rounding is Rounding.STOCHASTIC
-    fa3 = resolve_recipe("fa3_fp8")
-    assert fa3.incoherent_processing and fa3.q.element is FP8_E4M3FN and fa3.p is FP8_E4M3FN
-    assert not any(r.stochastic for r in PRESETS if r.name != "croissattn")
+    assert recipe.operands("dp") == (get("fp8_e5m2_x4"), get("fp8_e4m3_x4"))
