@@ -1,9 +1,21 @@
-"""Is a recipe's gradient unbiased? Averages over stochastic-rounding draws against exact.
+"""Is a recipe's gradient unbiased? Averages over stochastic-rounding draws against a reference.
 
-What. `gradient_bias(q, k, v, do, recipe, samples=N, seed=s)` runs the recipe's forward and
-backward N times, each with its own stochastic-rounding generator (seeds derived from `s`
-by numpy's `SeedSequence` and recorded), and compares the mean gradient with the exact
-float64 gradient of the same inputs (`compare.exact_reference`).
+What. `gradient_bias(q, k, v, do, recipe, samples=N, seed=s, reference=...)` runs the
+recipe's forward and backward N times, each with its own stochastic-rounding generator
+(seeds derived from `s` by numpy's `SeedSequence` and recorded), and compares the mean
+gradient with a reference gradient g of the same inputs, one of two:
+
+- ``reference="exact"``: the exact float64 gradient of exact attention
+  (`compare.exact_reference`). The bias then mixes two sources: the forward's deterministic
+  rounding error (Q, K, V, P rounded to nearest make the forward itself a different
+  function) and the backward's own bias.
+- ``reference="forward"``: the exact gradient of the recipe's own quantized forward, straight
+  through its quantizers (`AttentionRecipe.with_exact_backward`, `BackwardMode.FORWARD_EXACT`:
+  dV from the forward's own P^ tiles, nothing quantized in the backward), on the same draws
+  as the sample's forward. This isolates the backward: "the stochastic-rounding backward is
+  unbiased" is the claim that the bias against this reference is zero. It is computed in
+  the inputs' working precision (float32 rounding, ~1e-7 relative, lies far below what N
+  samples resolve).
 
 Why. Stochastic rounding is meant to make each quantized product an unbiased estimate of
 the exact one, so that the errors of many steps average out. Quartet II (arXiv 2601.22813)
@@ -12,20 +24,22 @@ average falls as 1/N in mean squared error without a floor when the estimator is
 and flattens at the squared bias when it is not. Here the same test is applied to the
 whole attention backward, per tensor and per tile.
 
-Statistics. For sample i's gradient g_i of a tensor (dQ, dK or dV) and the exact g:
-- the per-sample relative bias along g, x_i = <g_i - g, g> / <g, g> (negative when
+Statistics. For sample i's gradient g_i of a tensor (dQ, dK or dV) and the reference g_i^*
+(the same for every sample unless the recipe's forward rounds stochastically), d_i =
+g_i - g_i^* and g = mean_i g_i^* (written g below):
+- the per-sample relative bias along the reference, x_i = <d_i, g_i^*> / <g_i^*, g_i^*> (negative when
   quantization shrinks the gradient, as flushing, clipping or rounding toward zero do; it is
   minus Quartet II's magnitude misalignment);
 - ``rel_bias`` = mean_i x_i, ``se`` = std_i(x_i) / sqrt(N) (sample standard deviation),
   ``t`` = rel_bias / se and ``p_value``, two-sided under Student's t with N - 1 degrees of
   freedom: the x_i are independent draws, so for an unbiased recipe t follows that law
   (approximately; x_i is a sum over many elements);
-- ``rel_err_mean`` = ||mean_i g_i - g|| / ||g||, the error of the N-sample average, and
+- ``rel_err_mean`` = ||mean_i d_i|| / ||g||, the error of the N-sample average, and
   ``rel_noise`` = sqrt(sum of per-element variances / N) / ||g||, what that error would be
   from noise alone; an unbiased recipe has rel_err_mean close to rel_noise;
 - per tile (dQ: batch, head, query tile; dK, dV: batch, kv head, key tile) the same
   rel_bias, se, t and p_value with the inner products taken over the tile;
-- the convergence curve: for n = 1, 2, 4, ..., N, ``rel_mse`` = ||mean_{i<n} g_i - g||^2 /
+- the convergence curve: for n = 1, 2, 4, ..., N, ``rel_mse`` = ||mean_{i<n} d_i||^2 /
   ||g||^2 and ``noise_only`` = (sum of per-element variances) / n / ||g||^2, the 1/n line
   an unbiased recipe follows.
 
@@ -34,10 +48,7 @@ its bias is its error: it runs once, ``se`` is 0, ``t`` is +-inf where the bias 
 and the result's `note` says so. Its differences from the exact gradient are the recipe's
 deterministic error, not a sampling effect.
 
-Caveat: the bias measured is against exact attention, so a recipe whose forward quantizes
-deterministically (Q, K, V, P rounded to nearest) is biased even if its backward rounds
-stochastically: SR makes the backward's products unbiased given the forward it ran, not the
-forward itself.
+The result's `reference` and `note` say what the bias is measured against.
 """
 
 from __future__ import annotations
@@ -68,6 +79,7 @@ class GradientBias:
         stochastic: whether the recipe rounds stochastically.
         samples: the number of draws run (1 for a deterministic recipe).
         seed: the seed given; `seeds` the generator seed of each draw.
+        reference: "exact" or "forward": what the bias is measured against.
         tensors: one row per gradient (dq, dk, dv).
         tiles: one row per gradient and tile: dQ's query tiles (block_m rows of one batch
             and query head), dK's and dV's key tiles (block_n rows of one batch and KV head).
@@ -80,6 +92,7 @@ class GradientBias:
     samples: int
     seed: int
     seeds: tuple[int, ...]
+    reference: str
     tensors: pd.DataFrame
     tiles: pd.DataFrame
     convergence: pd.DataFrame
@@ -106,10 +119,11 @@ def gradient_bias(
     scale: float | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    reference: str = "exact",
 ) -> GradientBias:
-    """Mean gradient of `recipe` over `samples` stochastic-rounding draws against the exact
-    float64 gradient: per-tensor and per-tile bias, standard error and t-statistic, and the
-    error of the n-sample average as n grows (Quartet II's test; see the module docstring).
+    """Mean gradient of `recipe` over `samples` stochastic-rounding draws against a reference
+    gradient: per-tensor and per-tile bias, standard error and t-statistic, and the error of
+    the n-sample average as n grows (Quartet II's test; see the module docstring).
 
     Args:
         q, k, v, do: as for `compare.compare` (the recipe runs in their dtype).
@@ -118,26 +132,49 @@ def gradient_bias(
             recipe runs once whatever N is).
         seed: the seed the draws' generator seeds are derived from (`derive_seeds`).
         causal, scale, block_m, block_n: as for `attention`.
+        reference: "exact" (exact float64 attention) or "forward" (the exact gradient of the
+            recipe's own quantized forward); see the module docstring.
     """
     recipe = resolve_recipe(recipe)
+    if reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {', '.join(map(repr, REFERENCES))}, got {reference!r}")
     block_m, block_n = tiles_for(recipe, block_m, block_n)
     n = _check_samples(samples, recipe)
     seeds = derive_seeds(seed, n)
     options = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)
-    exact = exact_reference(q, k, v, do, **options)[1:]
-    acc = {name: _Accumulator(g, block_m if name == "dq" else block_n) for name, g in zip(GRADIENTS, exact, strict=True)}
+    refs = _references(q, k, v, do, recipe, reference, options)
+    acc = {name: _Accumulator(q.shape[-2] if name == "dq" else k.shape[-2], block_m if name == "dq" else block_n)
+           for name in GRADIENTS}
     for i, s in enumerate(seeds, start=1):
         generator = s if recipe.stochastic else None
         grads = forward_backward(q, k, v, do, recipe, trace=None, generator=generator, **options)[1:]
-        for name, g in zip(GRADIENTS, grads, strict=True):
-            acc[name].add(g, record=_is_checkpoint(i, n))
+        for name, g, r in zip(GRADIENTS, grads, refs(generator), strict=True):
+            acc[name].add(g, r, record=_is_checkpoint(i, n))
     return GradientBias(
         recipe=recipe.name, stochastic=recipe.stochastic, samples=n, seed=seed, seeds=seeds,
+        reference=reference,
         tensors=pd.DataFrame([{"tensor": name, **a.tensor_stats()} for name, a in acc.items()]),
         tiles=_stack({name: a.tile_stats() for name, a in acc.items()}, _TILE_COLUMNS),
         convergence=_stack({name: a.curve() for name, a in acc.items()}, _CURVE_COLUMNS),
-        note=_note(recipe, n),
+        note=_note(recipe, n, reference),
     )
+
+
+REFERENCES = ("exact", "forward")
+
+
+def _references(q, k, v, do, recipe: AttentionRecipe, reference: str, options: dict):
+    """A function of a sample's generator giving the reference (dQ, dK, dV) of that sample:
+    fixed (computed once) unless the recipe's forward rounds stochastically."""
+    if reference == "exact":
+        fixed = exact_reference(q, k, v, do, **options)[1:]
+        return lambda generator: fixed
+    forward = recipe.with_exact_backward()
+    run = lambda generator: forward_backward(q, k, v, do, forward, trace=None, generator=generator, **options)[1:]  # noqa: E731
+    if forward.stochastic:
+        return run
+    fixed = run(None)
+    return lambda generator: fixed
 
 
 _TILE_COLUMNS = ["tensor", "batch", "head", "tile", "rel_bias", "se", "t", "p_value"]
@@ -159,12 +196,16 @@ def _check_samples(samples, recipe: AttentionRecipe) -> int:
     return samples if recipe.stochastic else 1
 
 
-def _note(recipe: AttentionRecipe, n: int) -> str:
+def _note(recipe: AttentionRecipe, n: int, reference: str) -> str:
+    against = {
+        "exact": "bias against exact float64 attention (the forward's rounding error included)",
+        "forward": "bias against the exact gradient of the recipe's own quantized forward (the backward's alone)",
+    }[reference]
     if recipe.stochastic:
-        return (f"{n} stochastic-rounding draws; t follows Student's t with {n - 1} degrees of "
-                "freedom when the recipe is unbiased")
-    return ("deterministic recipe: every draw gives the same gradient, so the bias is the error "
-            "itself and one sample suffices (se = 0, t = +-inf where the bias is nonzero)")
+        return (f"{against}; {n} stochastic-rounding draws; t follows Student's t with {n - 1} "
+                "degrees of freedom when the recipe is unbiased")
+    return (f"{against}; deterministic recipe: every draw gives the same gradient, so the bias is "
+            "the error itself and one sample suffices (se = 0, t = +-inf where the bias is nonzero)")
 
 
 def _is_checkpoint(i: int, n: int) -> bool:
@@ -173,31 +214,41 @@ def _is_checkpoint(i: int, n: int) -> bool:
 
 
 class _Accumulator:
-    """Running sums of one gradient's draws, d_i = g_i - g (float64): sum d_i, sum d_i^2,
-    the per-sample projections x_i per tensor and per tile, and the curve's checkpoints."""
+    """Running sums of one gradient's draws against their references, d_i = g_i - g_i^*
+    (float64): sum d_i, sum d_i^2, sum g_i^*, the per-sample projections x_i per tensor and
+    per tile, and the curve's checkpoints."""
 
-    def __init__(self, exact: torch.Tensor, tile_rows: int):
-        self.exact = exact  # (B, H, S, D), float64
-        b, h, s, d = exact.shape
-        self.n_tiles = -(-s // tile_rows)
-        pad = self.n_tiles * tile_rows - s
-        self.tiled = lambda x: torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b, h, self.n_tiles, tile_rows * d)
-        self.exact_tiles = self.tiled(exact)  # (B, H, nT, rows * D)
-        self.sum = torch.zeros_like(exact)
-        self.sum_sq = torch.zeros_like(exact)
+    def __init__(self, rows: int, tile_rows: int):
+        self.n_tiles = -(-rows // tile_rows)
+        self.pad, self.tile_rows = self.n_tiles * tile_rows - rows, tile_rows
+        self.sum = self.sum_sq = self.sum_ref = None
         self.x, self.x_tiles, self.points = [], [], []
-        self.norm_sq = exact.square().sum().item()
 
-    def add(self, g: torch.Tensor, record: bool) -> None:
-        d = g.detach().to(torch.float64) - self.exact
+    def tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, S, D) -> (B, H, nT, tile_rows * D), zero padded."""
+        b, h, _, d = x.shape
+        return torch.nn.functional.pad(x, (0, 0, 0, self.pad)).reshape(b, h, self.n_tiles, self.tile_rows * d)
+
+    def add(self, g: torch.Tensor, ref: torch.Tensor, record: bool) -> None:
+        ref = ref.detach().to(torch.float64)
+        d = g.detach().to(torch.float64) - ref
+        if self.sum is None:
+            self.sum, self.sum_sq, self.sum_ref = (torch.zeros_like(ref) for _ in range(3))
         self.sum += d
         self.sum_sq += d.square()
-        self.x.append((d * self.exact).sum().item() / self.norm_sq if self.norm_sq > 0 else math.nan)
-        tile_norm = self.exact_tiles.square().sum(-1)
-        self.x_tiles.append((self.tiled(d) * self.exact_tiles).sum(-1) / tile_norm)  # NaN where g = 0
+        self.sum_ref += ref
+        norm_sq = ref.square().sum().item()
+        self.x.append((d * ref).sum().item() / norm_sq if norm_sq > 0 else math.nan)
+        ref_tiles = self.tiled(ref)
+        self.x_tiles.append((self.tiled(d) * ref_tiles).sum(-1) / ref_tiles.square().sum(-1))  # NaN where g = 0
         if record:
             n = len(self.x)
             self.points.append((n, (self.sum / n).square().sum().item() / self.norm_sq))
+
+    @property
+    def norm_sq(self) -> float:
+        """||g||^2 of the mean reference g."""
+        return (self.sum_ref / len(self.x)).square().sum().item()
 
     def _variance_sum(self) -> float:
         """Sum over elements of the per-element sample variance (0 for a single draw)."""

@@ -15,6 +15,7 @@ with `fp4lab.formats.register`, is found by name wherever a recipe is accepted.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -435,6 +436,17 @@ class AttentionRecipe:
                 "leakage_fix computes the diagonal blocks of V (along the sequence) unquantized: "
                 f"v must be a block format with blocks, got {v!r}"
             )
+
+    def with_exact_backward(self) -> AttentionRecipe:
+        """This recipe's forward with the exact gradient of it as the backward
+        (`BackwardMode.FORWARD_EXACT`), named ``<name>_forward_exact``: the reference the
+        backward's bias is measured against."""
+        return dataclasses.replace(
+            self, name=f"{self.name}_forward_exact", **{f: None for f in _BACKWARD_FIELDS},
+            backward=BackwardMode.FORWARD_EXACT, backward_p=BackwardP.QUANTIZED_QK,
+            backward_v=BackwardV.INPUT, ds_p=DsP.UNQUANTIZED, delta=DeltaSource.OUTPUT,
+            doc=f"The exact (straight-through) gradient of {self.name}'s forward.",
+        )
 
     def block_axis(self, field: str) -> int:
         """The axis operand `field`'s 1-D blocks run along: its product's reduction axis
