@@ -12,7 +12,7 @@ import torch
 import fp4lab.formats as F
 from fp4lab.formats import QuantSpec, ScaleRule, fake_quantize, quantize
 
-from .helpers import assert_same_bits
+from .helpers import assert_same_bits, te_fp4_codes
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -87,17 +87,6 @@ def test_torchao_nvfp4_presets_match_nvfp4_quantize(preset, dtype):
 
 # -- Transformer Engine's NVFP4 reference quantizer, restated from its source -----------------
 FLT_MAX = torch.finfo(torch.float32).max
-E2M1_THRESHOLDS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]  # RNE decision points of 0..6
-
-
-def te_fp4_codes(x):
-    """TE's cast_to_fp4x2 table: code k for |x| in its interval, ties to the even code."""
-    a = x.abs()
-    mag = torch.zeros_like(a, dtype=torch.int64)
-    for k, t in enumerate(E2M1_THRESHOLDS):
-        tie_up = k % 2 == 1  # the code above an odd threshold index is even
-        mag += ((a > t) | ((a == t) & tie_up)).to(torch.int64)
-    return (mag | torch.where(x < 0, 8, 0)).to(torch.uint8)
 
 
 def te_nvfp4_reference(x, tile=(1, 16)):
@@ -334,6 +323,33 @@ def test_codes_convert_to_ml_dtypes(preset):
 def test_no_torch_dtype_is_an_error():
     with pytest.raises(ValueError, match="torch has no dtype"):
         F.to_torch(torch.zeros(2, dtype=torch.uint8), F.UE5M3)
+
+
+# -- the recipes table ---------------------------------------------------------------------------
+def test_recipes_table_shows_rounding_correction_and_fixed_scales():
+    """`fp4lab formats` rows: nvfp4 and nvfp4_sr differ in their rounding column; EDEN and
+    fixed scales show their fields; bits per element count what is stored per block."""
+    from fp4lab.formats.tables import recipes_frame
+
+    rows = recipes_frame().set_index("name")
+    assert set(rows.index) == {s.name for s in F.BLOCK_FORMATS} | set(F.names(QuantSpec))
+    assert rows.loc["nvfp4", "rounding"] == "nearest_even"
+    assert rows.loc["nvfp4_sr", "rounding"] == "stochastic"
+    eden = rows.loc["nvfp4_ms_eden"]
+    assert (eden.correction, eden.hadamard, eden.rounding) == ("eden", 128, "nearest_even, stochastic scales")
+    assert eden.amax_target == F.NVFP4_MS_EDEN.amax_target
+    x4 = rows.loc["fp8_e4m3_x4"]
+    assert (x4.fixed_scale, x4.scale, x4.scale_rule, x4.bits_per_element) == (0.25, "fixed", "fixed", 8.0)
+    assert rows.loc["mxfp4_alpha_mse", "scale_rule"] == "alpha_mse"
+    assert rows.loc["mxfp4_alpha_rte_2d", "bits_per_element"] == 4 + 8 / 1024
+    assert rows.loc["nvfp4_reciprocal_2level", "arithmetic"] == "reciprocal"
+
+
+def test_every_block_format_is_registered_and_exported():
+    for spec in F.BLOCK_FORMATS:
+        assert F.get(spec.name) is spec
+        constant = spec.name.upper()
+        assert constant in F.__all__ and getattr(F, constant) is spec
 
 
 # -- registry --------------------------------------------------------------------------------
