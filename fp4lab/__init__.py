@@ -27,7 +27,21 @@ from fp4lab.recipes import AttentionRecipe, Trace
 __version__ = "0.1.0"
 
 __all__ = [
-    "FloatFormat", "QuantSpec", "QuantizedTensor", "Rounding", "ScaleArithmetic", "ScaleRule",
-    "Specials", "fake_quantize", "quantize", "round_to_format", "attention", "patch_sdpa",
-    "Trace", "AttentionRecipe", "compare", "gradient_bias", "__version__",
+    "FloatFormat",
+    "QuantSpec",
+    "QuantizedTensor",
+    "Rounding",
+    "ScaleArithmetic",
+    "ScaleRule",
+    "Specials",
+    "fake_quantize",
+    "quantize",
+    "round_to_format",
+    "attention",
+    "patch_sdpa",
+    "Trace",
+    "AttentionRecipe",
+    "compare",
+    "gradient_bias",
+    "__version__",
 ]

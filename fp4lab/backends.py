@@ -52,8 +52,19 @@ def attention(
             "use backend='reference' for the simulation path (no silent fallback)"
         )
     if backend != "reference":
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+        raise ValueError(
+            f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+        )
     return reference_attention(
-        q, k, v, recipe, causal=causal, scale=scale, trace=trace, generator=generator,
-        block_m=block_m, block_n=block_n, attn_mask=attn_mask,
+        q,
+        k,
+        v,
+        recipe,
+        causal=causal,
+        scale=scale,
+        trace=trace,
+        generator=generator,
+        block_m=block_m,
+        block_n=block_n,
+        attn_mask=attn_mask,
     )

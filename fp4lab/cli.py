@@ -23,9 +23,21 @@ from fp4lab.analysis.quant_error import INPUT_KINDS, error_report
 from fp4lab.formats.tables import formats_frame, recipes_frame, to_markdown
 from fp4lab.recipes import STATISTICS, AttentionRecipe, resolve_recipe
 
-DEFAULT_ERROR_SPECS = ["mxfp4", "mxfp4_rceil", "nvfp4", "nvfp4_ue5m3", "mxfp8_e4m3", "fp8_e4m3_tensor"]
+DEFAULT_ERROR_SPECS = [
+    "mxfp4",
+    "mxfp4_rceil",
+    "nvfp4",
+    "nvfp4_ue5m3",
+    "mxfp8_e4m3",
+    "fp8_e4m3_tensor",
+]
 DEFAULT_ATTENTION_RECIPES = ["fa4fp4_causal", "fa4fp4_causal_mxfp4pv"]
-_SIZE_OPTIONS = {"seq": 512, "heads": 2, "head_dim": 64, "batch": 1}  # defaults of the synthetic input
+_SIZE_OPTIONS = {
+    "seq": 512,
+    "heads": 2,
+    "head_dim": 64,
+    "batch": 1,
+}  # defaults of the synthetic input
 
 
 def _print_frame(frame: pd.DataFrame, markdown: bool, digits: int | None = None) -> None:
@@ -47,7 +59,11 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 def cmd_error(args: argparse.Namespace) -> int:
     frame = error_report(
-        args.spec or DEFAULT_ERROR_SPECS, rows=args.rows, cols=args.cols, seed=args.seed, axis=args.axis
+        args.spec or DEFAULT_ERROR_SPECS,
+        rows=args.rows,
+        cols=args.cols,
+        seed=args.seed,
+        axis=args.axis,
     )
     print(f"Quantization error on standard inputs (seed {args.seed}, {args.rows}x{args.cols}):")
     for name, text in INPUT_KINDS.items():
@@ -61,25 +77,45 @@ def cmd_error(args: argparse.Namespace) -> int:
 def cmd_attention(args: argparse.Namespace) -> int:
     recipes = [resolve_recipe(name) for name in args.recipe or DEFAULT_ATTENTION_RECIPES]
     inputs = _attention_inputs(args)
-    print(f"Attention errors against exact float64 attention ({'causal' if args.causal else 'non-causal'}, "
-          f"seed {args.seed}, tiles {_tiles(args)})")
+    print(
+        "Attention errors against exact float64 attention "
+        f"({'causal' if args.causal else 'non-causal'}, "
+        f"seed {args.seed}, tiles {_tiles(args)})"
+    )
     print(f"  inputs: {_describe_inputs(inputs)}")
     runs = [
-        compare(inputs.q, inputs.k, inputs.v, inputs.do, recipe, causal=args.causal,
-                generator=args.seed, block_m=args.block_m, block_n=args.block_n)
+        compare(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            inputs.do,
+            recipe,
+            causal=args.causal,
+            generator=args.seed,
+            block_m=args.block_m,
+            block_n=args.block_n,
+        )
         for recipe in recipes
     ]
     errors = pd.concat([run.errors for run in runs], ignore_index=True)
     traces = pd.concat([run.trace.to_frame() for run in runs], ignore_index=True)
     if args.heatmap not in STATISTICS:
-        raise ValueError(f"--heatmap: {args.heatmap!r} is not a trace statistic; one of {', '.join(STATISTICS)}")
+        raise ValueError(
+            f"--heatmap: {args.heatmap!r} is not a trace statistic; one of {', '.join(STATISTICS)}"
+        )
     figures = saturation(traces)
     _print_frame(errors, args.markdown, digits=4)
-    print("\nSaturation per operand (means over tiles; p_mass_lost: probability mass flushed per query row)")
+    print(
+        "\nSaturation per operand (means over tiles; p_mass_lost: probability mass flushed per "
+        "query row)"
+    )
     _print_frame(figures, args.markdown, digits=3)
     out = _results_dir(args.out)
     _write_results(out, args, inputs, recipes, runs, errors, figures, traces)
-    print(f"\nWrote errors.csv, saturation.csv, trace.parquet, heatmap-<recipe>.png and config.json to {out}")
+    print(
+        "\nWrote errors.csv, saturation.csv, trace.parquet, heatmap-<recipe>.png and config.json "
+        f"to {out}"
+    )
     return 0
 
 
@@ -93,8 +129,10 @@ def _attention_inputs(args: argparse.Namespace):
     """The synthetic default input, or the file's tensors (dO drawn from the seed if absent)."""
     given = [name for name in _SIZE_OPTIONS if getattr(args, name) is not None]
     if args.inputs is None:
-        sizes = {name: default if getattr(args, name) is None else getattr(args, name)
-                 for name, default in _SIZE_OPTIONS.items()}
+        sizes = {
+            name: default if getattr(args, name) is None else getattr(args, name)
+            for name, default in _SIZE_OPTIONS.items()
+        }
         return synthetic_inputs(SyntheticConfig(seed=args.seed, **sizes))
     if given:
         flag = "--" + given[0].replace("_", "-")
@@ -105,7 +143,10 @@ def _attention_inputs(args: argparse.Namespace):
 def _describe_inputs(inputs) -> str:
     shape = "x".join(map(str, inputs.q.shape))
     if inputs.source == "synthetic":
-        return f"synthetic heavy-tailed activations, q {shape} (B x H x S x D); see fp4lab.analysis.inputs"
+        return (
+            f"synthetic heavy-tailed activations, q {shape} (B x H x S x D); see "
+            "fp4lab.analysis.inputs"
+        )
     return f"{inputs.source}, q {shape}, sha256 {inputs.record['sha256'][:12]}"
 
 
@@ -148,12 +189,17 @@ def _write_results(out: Path, args, inputs, recipes, runs, errors, figures, trac
 
 def _recipe_record(recipe: AttentionRecipe) -> dict:
     """A recipe's fields, formats by their registry names and enums by their values."""
+
     def plain(value):
         if isinstance(value, enum.Enum):
             return value.value
         return getattr(value, "name", value)
 
-    return {f.name: plain(getattr(recipe, f.name)) for f in dataclasses.fields(recipe) if f.name != "doc"}
+    return {
+        f.name: plain(getattr(recipe, f.name))
+        for f in dataclasses.fields(recipe)
+        if f.name != "doc"
+    }
 
 
 def _environment() -> dict:
@@ -163,16 +209,28 @@ def _environment() -> dict:
     import seaborn
 
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(fp4lab.__file__).parent, capture_output=True,
-            text=True, timeout=10,
-        ).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                cwd=Path(fp4lab.__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
-        "fp4lab": fp4lab.__version__, "git_commit": commit, "python": platform.python_version(),
-        "platform": platform.platform(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "numpy": numpy.__version__, "pandas": pd.__version__, "matplotlib": matplotlib.__version__,
+        "fp4lab": fp4lab.__version__,
+        "git_commit": commit,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numpy": numpy.__version__,
+        "pandas": pd.__version__,
+        "matplotlib": matplotlib.__version__,
         "seaborn": seaborn.__version__,
     }
 
@@ -196,24 +254,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_error)
 
     p = sub.add_parser(
-        "attention", help="errors of attention recipes against exact float64 attention, with per-tile traces",
-        description="Run each recipe's forward and backward and exact float64 attention on one input; "
+        "attention",
+        help="errors of attention recipes against exact float64 attention, with per-tile traces",
+        description="Run each recipe's forward and backward and exact float64 attention on one "
+        "input; "
         "print the errors of O, dQ, dK, dV and the saturation figures; write the results folder.",
     )
-    p.add_argument("--recipe", action="append",
-                   help=f"a registered attention recipe (repeatable; default {' and '.join(DEFAULT_ATTENTION_RECIPES)})")
+    p.add_argument(
+        "--recipe",
+        action="append",
+        help="a registered attention recipe (repeatable; default "
+        f"{' and '.join(DEFAULT_ATTENTION_RECIPES)})",
+    )
     p.add_argument("--causal", action="store_true", help="causal mask (aligned top-left, as SDPA)")
-    p.add_argument("--seq", type=int, help=f"sequence length of the synthetic input (default {_SIZE_OPTIONS['seq']})")
-    p.add_argument("--heads", type=int, help=f"heads of the synthetic input (default {_SIZE_OPTIONS['heads']})")
-    p.add_argument("--head-dim", type=int, help=f"head dimension of the synthetic input (default {_SIZE_OPTIONS['head_dim']})")
-    p.add_argument("--batch", type=int, help=f"batch of the synthetic input (default {_SIZE_OPTIONS['batch']})")
-    p.add_argument("--inputs", help="a .npz or .safetensors file with arrays q, k, v (and optionally do)")
+    p.add_argument(
+        "--seq",
+        type=int,
+        help=f"sequence length of the synthetic input (default {_SIZE_OPTIONS['seq']})",
+    )
+    p.add_argument(
+        "--heads", type=int, help=f"heads of the synthetic input (default {_SIZE_OPTIONS['heads']})"
+    )
+    p.add_argument(
+        "--head-dim",
+        type=int,
+        help=f"head dimension of the synthetic input (default {_SIZE_OPTIONS['head_dim']})",
+    )
+    p.add_argument(
+        "--batch", type=int, help=f"batch of the synthetic input (default {_SIZE_OPTIONS['batch']})"
+    )
+    p.add_argument(
+        "--inputs", help="a .npz or .safetensors file with arrays q, k, v (and optionally do)"
+    )
     p.add_argument("--out", help="results folder (default results/attention-<time>)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic input, of dO if the file has none, "
-                   "and of stochastic rounding")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the synthetic input, of dO if the file has none, and of stochastic rounding",
+    )
     p.add_argument("--block-m", type=int, help="query tile (default: the recipe's, else 128)")
     p.add_argument("--block-n", type=int, help="key tile (default: the recipe's, else 128)")
-    p.add_argument("--heatmap", default="prod_err", help="trace column the per-recipe heatmaps show")
+    p.add_argument(
+        "--heatmap", default="prod_err", help="trace column the per-recipe heatmaps show"
+    )
     p.add_argument("--markdown", action="store_true", help="print markdown tables")
     p.set_defaults(run=cmd_attention)
     return parser

@@ -98,7 +98,7 @@ def test_attention_config_makes_the_run_reproducible(attention_run, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["seed"] == 3 and config["arguments"]["causal"] is True
     assert config["inputs"]["kind"] == "synthetic" and config["inputs"]["seq"] == 96
-    assert config["recipes"]["fa4fp4_causal"]["q"] == "nvfp4"
+    assert config["recipes"]["fa4fp4_causal"]["q"] == "nvfp4_1level"
     assert {"torch", "numpy", "pandas", "fp4lab", "python", "git_commit"} <= set(config["environment"])
     # rerunning the recorded command gives the same numbers
     again = tmp_path / "again"
@@ -146,7 +146,7 @@ def test_attention_defaults_are_small():
     (["--recipe", "nvfp5"], "unknown name 'nvfp5'"),
     (["--inputs", "nowhere.npz"], "nowhere.npz"),
     (["--seq", "0"], "seq must be a positive int"),
-    (["--head-dim", "48", "--recipe", "fa3_fp8"], "power of two"),
+    (["--head-dim", "48", "--recipe", "fa3_fp8_paper"], "power of two"),
     (["--heatmap", "q_tile", "--recipe", "exact", "--seq", "32"], "--heatmap: 'q_tile'"),
 ])
 def test_attention_bad_arguments_are_clean_errors(argv, message, tmp_path, capsys):

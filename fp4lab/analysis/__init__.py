@@ -18,7 +18,17 @@ from fp4lab.analysis.inputs import (
 from fp4lab.analysis.quantizers import quantize_operand
 
 __all__ = [
-    "attention", "patch_sdpa", "quantize_operand",
-    "Comparison", "compare", "saturation", "GradientBias", "gradient_bias", "AttentionInputs",
-    "SyntheticConfig", "load_inputs", "save_inputs", "synthetic_inputs",
+    "attention",
+    "patch_sdpa",
+    "quantize_operand",
+    "Comparison",
+    "compare",
+    "saturation",
+    "GradientBias",
+    "gradient_bias",
+    "AttentionInputs",
+    "SyntheticConfig",
+    "load_inputs",
+    "save_inputs",
+    "synthetic_inputs",
 ]

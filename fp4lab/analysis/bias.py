@@ -27,9 +27,9 @@ whole attention backward, per tensor and per tile.
 Statistics. For sample i's gradient g_i of a tensor (dQ, dK or dV) and the reference g_i^*
 (the same for every sample unless the recipe's forward rounds stochastically), d_i =
 g_i - g_i^* and g = mean_i g_i^* (written g below):
-- the per-sample relative bias along the reference, x_i = <d_i, g_i^*> / <g_i^*, g_i^*> (negative when
-  quantization shrinks the gradient, as flushing, clipping or rounding toward zero do; it is
-  minus Quartet II's magnitude misalignment);
+- the per-sample relative bias along the reference, x_i = <d_i, g_i^*> / <g_i^*, g_i^*>
+  (negative when quantization shrinks the gradient, as flushing, clipping or rounding toward
+  zero do; it is minus Quartet II's magnitude misalignment);
 - ``rel_bias`` = mean_i x_i, ``se`` = std_i(x_i) / sqrt(N) (sample standard deviation),
   ``t`` = rel_bias / se and ``p_value``, two-sided under Student's t with N - 1 degrees of
   freedom: the x_i are independent draws, so for an unbiased recipe t follows that law
@@ -103,7 +103,9 @@ def derive_seeds(seed: int, samples: int) -> tuple[int, ...]:
     """`samples` independent 32-bit generator seeds from `seed` (numpy's SeedSequence)."""
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    return tuple(int(s) for s in np.random.SeedSequence(seed).generate_state(samples, dtype=np.uint32))
+    return tuple(
+        int(s) for s in np.random.SeedSequence(seed).generate_state(samples, dtype=np.uint32)
+    )
 
 
 def gradient_bias(
@@ -137,21 +139,33 @@ def gradient_bias(
     """
     recipe = resolve_recipe(recipe)
     if reference not in REFERENCES:
-        raise ValueError(f"reference must be one of {', '.join(map(repr, REFERENCES))}, got {reference!r}")
+        raise ValueError(
+            f"reference must be one of {', '.join(map(repr, REFERENCES))}, got {reference!r}"
+        )
     block_m, block_n = tiles_for(recipe, block_m, block_n)
     n = _check_samples(samples, recipe)
     seeds = derive_seeds(seed, n)
     options = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)
     refs = _references(q, k, v, do, recipe, reference, options)
-    acc = {name: _Accumulator(q.shape[-2] if name == "dq" else k.shape[-2], block_m if name == "dq" else block_n)
-           for name in GRADIENTS}
+    acc = {
+        name: _Accumulator(
+            q.shape[-2] if name == "dq" else k.shape[-2], block_m if name == "dq" else block_n
+        )
+        for name in GRADIENTS
+    }
     for i, s in enumerate(seeds, start=1):
         generator = s if recipe.stochastic else None
-        grads = forward_backward(q, k, v, do, recipe, trace=None, generator=generator, **options)[1:]
+        grads = forward_backward(q, k, v, do, recipe, trace=None, generator=generator, **options)[
+            1:
+        ]
         for name, g, r in zip(GRADIENTS, grads, refs(generator), strict=True):
             acc[name].add(g, r, record=_is_checkpoint(i, n))
     return GradientBias(
-        recipe=recipe.name, stochastic=recipe.stochastic, samples=n, seed=seed, seeds=seeds,
+        recipe=recipe.name,
+        stochastic=recipe.stochastic,
+        samples=n,
+        seed=seed,
+        seeds=seeds,
         reference=reference,
         tensors=pd.DataFrame([{"tensor": name, **a.tensor_stats()} for name, a in acc.items()]),
         tiles=_stack({name: a.tile_stats() for name, a in acc.items()}, _TILE_COLUMNS),
@@ -170,7 +184,12 @@ def _references(q, k, v, do, recipe: AttentionRecipe, reference: str, options: d
         fixed = exact_reference(q, k, v, do, **options)[1:]
         return lambda generator: fixed
     forward = recipe.with_exact_backward()
-    run = lambda generator: forward_backward(q, k, v, do, forward, trace=None, generator=generator, **options)[1:]  # noqa: E731
+
+    def run(generator):
+        return forward_backward(q, k, v, do, forward, trace=None, generator=generator, **options)[
+            1:
+        ]
+
     if forward.stochastic:
         return run
     fixed = run(None)
@@ -192,20 +211,28 @@ def _check_samples(samples, recipe: AttentionRecipe) -> int:
     least = 2 if recipe.stochastic else 1
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < least:
         kind = "stochastic" if recipe.stochastic else "deterministic"
-        raise ValueError(f"samples must be an int of at least {least} for {kind} recipe {recipe.name!r}, got {samples!r}")
+        raise ValueError(
+            f"samples must be an int of at least {least} for {kind} recipe {recipe.name!r}, got "
+            f"{samples!r}"
+        )
     return samples if recipe.stochastic else 1
 
 
 def _note(recipe: AttentionRecipe, n: int, reference: str) -> str:
     against = {
         "exact": "bias against exact float64 attention (the forward's rounding error included)",
-        "forward": "bias against the exact gradient of the recipe's own quantized forward (the backward's alone)",
+        "forward": "bias against the exact gradient of the recipe's own quantized forward "
+        "(the backward's alone)",
     }[reference]
     if recipe.stochastic:
-        return (f"{against}; {n} stochastic-rounding draws; t follows Student's t with {n - 1} "
-                "degrees of freedom when the recipe is unbiased")
-    return (f"{against}; deterministic recipe: every draw gives the same gradient, so the bias is "
-            "the error itself and one sample suffices (se = 0, t = +-inf where the bias is nonzero)")
+        return (
+            f"{against}; {n} stochastic-rounding draws; t follows Student's t with {n - 1} "
+            "degrees of freedom when the recipe is unbiased"
+        )
+    return (
+        f"{against}; deterministic recipe: every draw gives the same gradient, so the bias is "
+        "the error itself and one sample suffices (se = 0, t = +-inf where the bias is nonzero)"
+    )
 
 
 def _is_checkpoint(i: int, n: int) -> bool:
@@ -227,7 +254,9 @@ class _Accumulator:
     def tiled(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H, S, D) -> (B, H, nT, tile_rows * D), zero padded."""
         b, h, _, d = x.shape
-        return torch.nn.functional.pad(x, (0, 0, 0, self.pad)).reshape(b, h, self.n_tiles, self.tile_rows * d)
+        return torch.nn.functional.pad(x, (0, 0, 0, self.pad)).reshape(
+            b, h, self.n_tiles, self.tile_rows * d
+        )
 
     def add(self, g: torch.Tensor, ref: torch.Tensor, record: bool) -> None:
         ref = ref.detach().to(torch.float64)
@@ -240,7 +269,9 @@ class _Accumulator:
         norm_sq = ref.square().sum().item()
         self.x.append((d * ref).sum().item() / norm_sq if norm_sq > 0 else math.nan)
         ref_tiles = self.tiled(ref)
-        self.x_tiles.append((self.tiled(d) * ref_tiles).sum(-1) / ref_tiles.square().sum(-1))  # NaN where g = 0
+        self.x_tiles.append(
+            (self.tiled(d) * ref_tiles).sum(-1) / ref_tiles.square().sum(-1)
+        )  # NaN where g = 0
         if record:
             n = len(self.x)
             self.points.append((n, (self.sum / n).square().sum().item() / self.norm_sq))
@@ -261,8 +292,12 @@ class _Accumulator:
         n = len(self.x)
         mean_err = ((self.sum / n).square().sum().item() / self.norm_sq) ** 0.5
         stats_ = _t_test(torch.tensor(self.x, dtype=torch.float64))
-        return {**{k: v.item() for k, v in stats_.items()}, "rel_err_mean": mean_err,
-                "rel_noise": (self._variance_sum() / n / self.norm_sq) ** 0.5, "samples": n}
+        return {
+            **{k: v.item() for k, v in stats_.items()},
+            "rel_err_mean": mean_err,
+            "rel_noise": (self._variance_sum() / n / self.norm_sq) ** 0.5,
+            "samples": n,
+        }
 
     def tile_stats(self) -> pd.DataFrame:
         x = torch.stack(self.x_tiles)  # (N, B, H, nT)
@@ -285,5 +320,9 @@ def _t_test(x: torch.Tensor) -> dict[str, torch.Tensor]:
     mean = x.mean(0)
     se = x.std(0) / math.sqrt(n) if n > 1 else torch.zeros_like(mean)
     t = torch.where(se > 0, mean / se, torch.where(mean == 0, math.nan, math.inf * mean.sign()))
-    p = 2 * stats.t.sf(t.abs().numpy(), df=max(n - 1, 1)) if n > 1 else torch.where(mean == 0, 1.0, 0.0).numpy()
+    p = (
+        2 * stats.t.sf(t.abs().numpy(), df=max(n - 1, 1))
+        if n > 1
+        else torch.where(mean == 0, 1.0, 0.0).numpy()
+    )
     return {"rel_bias": mean, "se": se, "t": t, "p_value": torch.as_tensor(p, dtype=torch.float64)}

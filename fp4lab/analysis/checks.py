@@ -19,17 +19,25 @@ def check_inputs(q, k, v, attn_mask) -> None:
         if not x.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
         if x.ndim != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(x.shape)}"
+            )
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must agree in (batch, heads, seq), got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must agree in (batch, heads, seq), got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+        raise ValueError(
+            f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}"
+        )
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+        raise ValueError(
+            f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}"
+        )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of k's heads ({k.shape[1]})")
     if attn_mask is not None:
@@ -46,9 +54,13 @@ def _check_mask(mask, shape, device) -> None:
     try:
         torch.broadcast_shapes(mask.shape, shape)
     except RuntimeError:
-        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {shape}") from None
+        raise ValueError(
+            f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {shape}"
+        ) from None
     if mask.ndim > 4 or (mask.ndim == 4 and mask.shape[1] not in (1, shape[1])):
-        raise ValueError(f"attn_mask must broadcast to (B, H, Sq, Sk) = {shape}, got {tuple(mask.shape)}")
+        raise ValueError(
+            f"attn_mask must broadcast to (B, H, Sq, Sk) = {shape}, got {tuple(mask.shape)}"
+        )
 
 
 def check_tiling(recipe: AttentionRecipe, d: int, dv: int, block_m: int, block_n: int) -> None:
@@ -73,7 +85,9 @@ def check_tiling(recipe: AttentionRecipe, d: int, dv: int, block_m: int, block_n
         if not isinstance(spec, QuantSpec) or spec.block is None:
             continue
         if len(spec.block) == 1:  # the extent its axis spans: a tile's columns or rows
-            pairs = [(spec.block[0], op.tile_cols if recipe.block_axis(op.field) == -1 else op.tile_rows)]
+            pairs = [
+                (spec.block[0], op.tile_cols if recipe.block_axis(op.field) == -1 else op.tile_rows)
+            ]
         else:
             pairs = [(spec.block[0], op.tile_rows), (spec.block[1], op.tile_cols)]
         for block, extent in pairs:

@@ -32,8 +32,15 @@ import torch
 from fp4lab.analysis.flash import attention, tiles_for
 from fp4lab.recipes import OPERAND_COLUMNS, AttentionRecipe, Product, Trace, resolve_recipe
 
-__all__ = ["Comparison", "compare", "exact_reference", "error_metrics", "forward_backward", "saturation",
-           "TENSORS"]
+__all__ = [
+    "Comparison",
+    "compare",
+    "exact_reference",
+    "error_metrics",
+    "forward_backward",
+    "saturation",
+    "TENSORS",
+]
 
 TENSORS = ("o", "dq", "dk", "dv")
 
@@ -95,12 +102,17 @@ def compare(
     block_m, block_n = tiles_for(recipe, block_m, block_n)
     if not isinstance(do, torch.Tensor) or do.shape != (*q.shape[:-1], v.shape[-1]):
         got = tuple(do.shape) if isinstance(do, torch.Tensor) else type(do).__name__
-        raise ValueError(f"do must be a tensor of shape (B, H, Sq, Dv) = {(*q.shape[:-1], v.shape[-1])}, got {got}")
+        raise ValueError(
+            f"do must be a tensor of shape (B, H, Sq, Dv) = {(*q.shape[:-1], v.shape[-1])}, got "
+            f"{got}"
+        )
     if isinstance(trace, bool):
         trace = Trace() if trace else None
     elif not isinstance(trace, Trace):
         raise TypeError(f"trace must be a bool or a Trace, got {type(trace).__name__}")
-    options = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n, attn_mask=attn_mask)
+    options = dict(
+        causal=causal, scale=scale, block_m=block_m, block_n=block_n, attn_mask=attn_mask
+    )
     got = forward_backward(q, k, v, do, recipe, trace=trace, generator=generator, **options)
     ref = exact_reference(q, k, v, do, **options)
     rows = [
@@ -108,9 +120,16 @@ def compare(
         for name, x, r in zip(TENSORS, got, ref, strict=True)
     ]
     meta = {
-        "causal": bool(causal), "scale": q.shape[-1] ** -0.5 if scale is None else scale,
-        "block_m": block_m, "block_n": block_n, "dtype": str(q.dtype), "shape_q": tuple(q.shape), "shape_k": tuple(k.shape),
-        "shape_v": tuple(v.shape), "seed": _seed(generator), "masked": attn_mask is not None,
+        "causal": bool(causal),
+        "scale": q.shape[-1] ** -0.5 if scale is None else scale,
+        "block_m": block_m,
+        "block_n": block_n,
+        "dtype": str(q.dtype),
+        "shape_q": tuple(q.shape),
+        "shape_k": tuple(k.shape),
+        "shape_v": tuple(v.shape),
+        "seed": _seed(generator),
+        "masked": attn_mask is not None,
     }
     return Comparison(recipe.name, pd.DataFrame(rows), trace, meta)
 
@@ -128,7 +147,9 @@ def exact_reference(q, k, v, do, **options) -> tuple[torch.Tensor, ...]:
     return forward_backward(q, k, v, do, "exact", trace=None, generator=None, **options)
 
 
-def forward_backward(q, k, v, do, recipe, *, trace, generator, **options) -> tuple[torch.Tensor, ...]:
+def forward_backward(
+    q, k, v, do, recipe, *, trace, generator, **options
+) -> tuple[torch.Tensor, ...]:
     """One forward and backward of `recipe` (`attention`'s options) on detached copies of
     the inputs: (O, dQ, dK, dV)."""
     q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
@@ -196,5 +217,7 @@ def _operand_row(recipe: str, product: Product, tiles: pd.DataFrame, side: str) 
 
 def _mass_per_row(tiles: pd.DataFrame) -> float:
     """Mean over query tiles of the P mass lost per row, summed over a query tile's key tiles."""
-    per_query_tile = tiles.groupby(["call", "batch", "head", "q_tile"])["p_mass_lost"].sum(min_count=1)
+    per_query_tile = tiles.groupby(["call", "batch", "head", "q_tile"])["p_mass_lost"].sum(
+        min_count=1
+    )
     return per_query_tile.mean()

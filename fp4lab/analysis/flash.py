@@ -127,7 +127,9 @@ def _scores(ops: Operands, cfg: CallConfig, mask: MaskTiles | None, block: TileB
     """Scores of a block, before and after masking, and whether nothing in it is masked
     (then the trace need not mask its statistics)."""
     i0, i1, j0, j1 = block.i0, block.i1, block.j0, block.j1
-    s = pairs(ops.q[:, :, :, i0:i1], ops.k[:, :, j0:j1]).mul_(cfg.scale)  # (B, Hkv, G, n, g, bm, bn)
+    s = pairs(ops.q[:, :, :, i0:i1], ops.k[:, :, j0:j1]).mul_(
+        cfg.scale
+    )  # (B, Hkv, G, n, g, bm, bn)
     if ops.q_mean is not None:  # SageAttention2's correction term, in the working precision
         s = s + cfg.scale * pairs(ops.q_mean[:, :, :, i0:i1], ops.k_plain[:, :, j0:j1])
     masked = s if mask is None else mask.apply(s, block)
@@ -153,8 +155,9 @@ class ForwardStep:
     skipped: torch.Tensor | None
 
 
-def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, cfg: CallConfig, mask,
-                  draws, traced: bool) -> ForwardStep:
+def _forward_step(
+    ops: Operands, sm: OnlineSoftmax, block: TileBlock, cfg: CallConfig, mask, draws, traced: bool
+) -> ForwardStep:
     recipe = cfg.recipe
     s_raw, s, unmasked = _scores(ops, cfg, mask, block)
     skipped = block.skipped(s.device)
@@ -170,7 +173,9 @@ def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, cfg: CallC
         pv = times_key(p_hat.values.masked_fill(diagonal, 0), v_j)
         pv += times_key(p.masked_fill(~diagonal, 0), ops.v_plain[:, :, block.j0 : block.j1])
     zero_skipped(pv, skipped)
-    rescale_add(sm.l_i, weights, p_hat.values.sum(-1) if recipe.row_sum is RowSum.QUANTIZED_P else p.sum(-1))
+    rescale_add(
+        sm.l_i, weights, p_hat.values.sum(-1) if recipe.row_sum is RowSum.QUANTIZED_P else p.sum(-1)
+    )
     rescale_add(sm.acc, weights, pv)
     if sm.acc_prime is not None:  # Attn-QAT's O' = (P V^) / sum P
         rescale_add(sm.acc_prime, weights, zero_skipped(times_key(p, v_j), skipped))
@@ -251,8 +256,12 @@ def _forward(q, k, v, cfg: CallConfig, t: Tiling, rec):
     )
     v_plain = t.k_tiles(vw) if recipe.leakage_fix and cfg.causal else None
     ops = Operands(
-        t.q_tiles(q_hat.values), t.k_tiles(k_hat.values), t.k_tiles(v_hat.values), q_mean,
-        t.k_tiles(kw), v_plain,
+        t.q_tiles(q_hat.values),
+        t.k_tiles(k_hat.values),
+        t.k_tiles(v_hat.values),
+        q_mean,
+        t.k_tiles(kw),
+        v_plain,
     )
     mask = MaskTiles(cfg.attn_mask, t) if cfg.attn_mask is not None else None
     observer = None
@@ -346,8 +355,16 @@ class BackwardStep:
     dk: torch.Tensor  # each tile pair's dS^T Q, (..., n, g, bn, D)
 
 
-def _backward_step(ops: BackwardOperands, cfg: CallConfig, block: TileBlock, mask, lse_c, delta_c,
-                   draws, traced: bool) -> BackwardStep:
+def _backward_step(
+    ops: BackwardOperands,
+    cfg: CallConfig,
+    block: TileBlock,
+    mask,
+    lse_c,
+    delta_c,
+    draws,
+    traced: bool,
+) -> BackwardStep:
     recipe, i0, i1, j0, j1 = cfg.recipe, block.i0, block.i1, block.j0, block.j1
     _, s, unmasked = _scores(ops.scores, cfg, mask, block)
     skipped = block.skipped(s.device)
@@ -381,8 +398,12 @@ def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: CallConfig, t: Tiling, r
     """FlashAttention-2's backward: dQ, dK, dV in the working precision."""
     work = o.dtype
     dow, qw, kw, vw = do.to(work), q.to(work), k.to(work), v.to(work)
-    draws = Draws(cfg.generator, t.bm, t.bn) if cfg.recipe.stochastic else None  # after the forward's
-    quant, ops = _backward_operands(dow, qw, kw, vw, saved, cfg, t, draws, rec is not None, forward_draws)
+    draws = (
+        Draws(cfg.generator, t.bm, t.bn) if cfg.recipe.stochastic else None
+    )  # after the forward's
+    quant, ops = _backward_operands(
+        dow, qw, kw, vw, saved, cfg, t, draws, rec is not None, forward_draws
+    )
     delta = t.q_tiles(_delta(cfg.recipe, dow, quant, o, o_prime, q.dtype))  # (B, Hkv, G, nQ, bm)
     observer = BackwardTrace(rec, t, (qw, kw, vw, dow), quant) if rec is not None else None
     dk = qw.new_zeros(t.B, t.Hk, t.nK, t.bn, q.shape[-1])
@@ -393,7 +414,9 @@ def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: CallConfig, t: Tiling, r
         lse_c = lse[:, :, :, i0:i1].unsqueeze(-2)  # (B, Hkv, G, n, 1, bm)
         delta_c = delta[:, :, :, i0:i1, None, :, None]  # (B, Hkv, G, n, 1, bm, 1)
         for block in blocks:
-            step = _backward_step(ops, cfg, block, mask, lse_c, delta_c, draws, observer is not None)
+            step = _backward_step(
+                ops, cfg, block, mask, lse_c, delta_c, draws, observer is not None
+            )
             dv[:, :, block.j0 : block.j1] += step.dv.sum((2, 3))
             dq[:, :, :, i0:i1] += cfg.scale * step.dq.sum(4)
             dk[:, :, block.j0 : block.j1] += cfg.scale * step.dk.sum((2, 3))
@@ -413,7 +436,9 @@ def _delta(recipe: AttentionRecipe, do, quant: dict, o, o_prime, dtype) -> torch
     return (do * o_stored).sum(-1)
 
 
-def _backward_operands(do, q, k, v, saved, cfg: CallConfig, t: Tiling, draws, traced: bool, forward_draws):
+def _backward_operands(
+    do, q, k, v, saved, cfg: CallConfig, t: Tiling, draws, traced: bool, forward_draws
+):
     """The backward's whole-tensor operands quantized as `recipe.backward` says: the
     `Quantized` operands (for the trace) and their tiles."""
     recipe = cfg.recipe
@@ -431,21 +456,38 @@ def _backward_operands(do, q, k, v, saved, cfg: CallConfig, t: Tiling, draws, tr
     if recipe.backward is BackwardMode.FLASH:
         v_src = v_hat if recipe.backward_v is BackwardV.FORWARD else v
         sources = {"v_dp": (v_src, "dp_v"), "k_dq": (k, "dq_k"), "q_dk": (q, "dk_q")}
-        quant = {name: quantize_field(x, recipe, field, draws, traced, tiling=t) for name, (x, field) in sources.items()}
+        quant = {
+            name: quantize_field(x, recipe, field, draws, traced, tiling=t)
+            for name, (x, field) in sources.items()
+        }
     else:  # straight through or exact: the forward's Q^ (with its mean added back), K^, V^
-        q_eff = q_hat if q_mean is None else q_hat + t.q_untile(q_mean.expand(*q_mean.shape[:4], t.bm, q_mean.shape[-1]))
+        q_eff = (
+            q_hat
+            if q_mean is None
+            else q_hat + t.q_untile(q_mean.expand(*q_mean.shape[:4], t.bm, q_mean.shape[-1]))
+        )
         quant = {
             "v_dp": _forward_counts(v, v_hat, recipe, "v", traced, t),
             "k_dq": _forward_counts(k, k_hat, recipe, "k", traced, t),
             "q_dk": _forward_counts(q, q_eff, recipe, "q", traced, t),
         }
     quant.update(dos)
-    tiler = {"do_dv": t.q_tiles, "do_dp": t.q_tiles, "v_dp": t.k_tiles, "k_dq": t.k_tiles, "q_dk": t.q_tiles}
-    ops = BackwardOperands(scores=scores, replay=replay, **{name: tiler[name](quant[name].values) for name in quant})
+    tiler = {
+        "do_dv": t.q_tiles,
+        "do_dp": t.q_tiles,
+        "v_dp": t.k_tiles,
+        "k_dq": t.k_tiles,
+        "q_dk": t.q_tiles,
+    }
+    ops = BackwardOperands(
+        scores=scores, replay=replay, **{name: tiler[name](quant[name].values) for name in quant}
+    )
     return quant, ops
 
 
-def _forward_counts(x, x_hat, recipe: AttentionRecipe, field: str, traced: bool, t: Tiling) -> Quantized:
+def _forward_counts(
+    x, x_hat, recipe: AttentionRecipe, field: str, traced: bool, t: Tiling
+) -> Quantized:
     """The forward's quantized operand, with its trace counts recomputed (with zero draws:
     the counts never depend on stochastic rounding's draws)."""
     if not traced:
@@ -460,8 +502,14 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: CallConfig):
         t = Tiling(
-            B=q.shape[0], H=q.shape[1], Hk=k.shape[1], Sq=q.shape[2], Sk=k.shape[2],
-            bm=cfg.block_m, bn=cfg.block_n, causal=cfg.causal,
+            B=q.shape[0],
+            H=q.shape[1],
+            Hk=k.shape[1],
+            Sq=q.shape[2],
+            Sk=k.shape[2],
+            bm=cfg.block_m,
+            bn=cfg.block_n,
+            causal=cfg.causal,
             reverse=cfg.recipe.kv_order is KVOrder.REVERSE,
         )
         scores = t.B * t.H * t.Sq * t.Sk
@@ -480,7 +528,9 @@ class _FlashAttention(torch.autograd.Function):
         scores = t.B * t.H * t.Sq * t.Sk
         allocator.settle(do.device, scores)
         q, k, v, o, lse, o_prime, *saved = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, o_prime, saved, ctx.cfg, t, ctx.rec, ctx.forward_draws)
+        dq, dk, dv = _backward(
+            do, q, k, v, o, lse, o_prime, saved, ctx.cfg, t, ctx.rec, ctx.forward_draws
+        )
         allocator.trim(do.device, scores)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
@@ -583,8 +633,14 @@ def attention(
         return q.new_zeros(*q.shape[:3], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
     q, k = _transform_qk(q, k, recipe)
     cfg = CallConfig(
-        recipe=recipe, causal=bool(causal), scale=float(scale), block_m=block_m,
-        block_n=block_n, generator=gen, trace=trace, attn_mask=attn_mask,
+        recipe=recipe,
+        causal=bool(causal),
+        scale=float(scale),
+        block_m=block_m,
+        block_n=block_n,
+        generator=gen,
+        trace=trace,
+        attn_mask=attn_mask,
         seed=generator if isinstance(generator, int) and not isinstance(generator, bool) else None,
     )
     return _FlashAttention.apply(q, k, v, cfg)
@@ -619,18 +675,42 @@ def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **opti
     if "generator" in options:  # one stream for all calls: an int seed would repeat its draws
         options["generator"] = as_generator(options["generator"])
 
-    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def routed(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ):
         if dropout_p:
-            raise ValueError(f"dropout_p={dropout_p}: fp4lab's attention has no dropout; set it to 0")
+            raise ValueError(
+                f"dropout_p={dropout_p}: fp4lab's attention has no dropout; set it to 0"
+            )
         if query.shape[-3] != key.shape[-3] and query.ndim == 4 and not enable_gqa:
-            raise ValueError("query and key have different head counts; SDPA needs enable_gqa=True for that")
+            raise ValueError(
+                "query and key have different head counts; SDPA needs enable_gqa=True for that"
+            )
         squeeze = query.ndim == 3
         if squeeze:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-            attn_mask = attn_mask.unsqueeze(1) if attn_mask is not None and attn_mask.ndim == 3 else attn_mask
+            attn_mask = (
+                attn_mask.unsqueeze(1)
+                if attn_mask is not None and attn_mask.ndim == 3
+                else attn_mask
+            )
         out = attention(
-            query, key, value, recipe, causal=is_causal, scale=scale, trace=trace,
-            attn_mask=attn_mask, **options,
+            query,
+            key,
+            value,
+            recipe,
+            causal=is_causal,
+            scale=scale,
+            trace=trace,
+            attn_mask=attn_mask,
+            **options,
         )
         return out.squeeze(1) if squeeze else out
 

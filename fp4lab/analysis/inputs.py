@@ -92,7 +92,9 @@ class SyntheticConfig:
                 f"got {self.outlier_channels} (head_dim {self.head_dim})"
             )
         if not isinstance(self.v_dof, int) or self.v_dof < 3:
-            raise ValueError(f"v_dof must be an int of at least 3 (finite variance), got {self.v_dof!r}")
+            raise ValueError(
+                f"v_dof must be an int of at least 3 (finite variance), got {self.v_dof!r}"
+            )
         if self.sink_query <= 0:
             raise ValueError(f"sink_query must be positive, got {self.sink_query}")
         if self.dtype not in ("float32", "float64"):
@@ -118,7 +120,10 @@ class AttentionInputs:
         gen = torch.Generator().manual_seed(seed)
         shape = (*self.q.shape[:-1], self.v.shape[-1])
         do = 1e-3 * torch.randn(shape, generator=gen, dtype=torch.float64).to(self.q.dtype)
-        record = {**self.record, "do": f"absent from the file; drawn as 1e-3 * N(0, 1) with seed {seed}"}
+        record = {
+            **self.record,
+            "do": f"absent from the file; drawn as 1e-3 * N(0, 1) with seed {seed}",
+        }
         return dataclasses.replace(self, do=do, record=record)
 
 
@@ -198,23 +203,42 @@ def load_inputs(path: str | Path) -> AttentionInputs:
         )
     tensors = {n: _as_float_tensor(arrays[n], n, path) for n in _NAMES if n in arrays}
     _check_shapes(tensors, path)
-    record = {"kind": "file", "path": str(path), "sha256": _sha256(path),
-              "shapes": {n: list(t.shape) for n, t in tensors.items()}}
-    return AttentionInputs(tensors["q"], tensors["k"], tensors["v"], tensors.get("do"), str(path), record)
+    record = {
+        "kind": "file",
+        "path": str(path),
+        "sha256": _sha256(path),
+        "shapes": {n: list(t.shape) for n, t in tensors.items()},
+    }
+    return AttentionInputs(
+        tensors["q"], tensors["k"], tensors["v"], tensors.get("do"), str(path), record
+    )
 
 
-def save_inputs(path: str | Path, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                do: torch.Tensor | None = None) -> Path:
+def save_inputs(
+    path: str | Path,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor | None = None,
+) -> Path:
     """Write q, k, v (and do) to a `.npz` or `.safetensors` file that `load_inputs` reads.
 
     Tensors are detached and moved to the CPU; bfloat16 and other widths numpy lacks are
     stored as float32 in `.npz` (safetensors keeps them).
     """
     path = Path(path)
-    tensors = {n: t.detach().cpu().contiguous() for n, t in zip(_NAMES, (q, k, v, do), strict=True) if t is not None}
+    tensors = {
+        n: t.detach().cpu().contiguous()
+        for n, t in zip(_NAMES, (q, k, v, do), strict=True)
+        if t is not None
+    }
     if path.suffix == ".npz":
-        arrays = {n: (t.float() if t.dtype not in (torch.float32, torch.float64, torch.float16) else t).numpy()
-                  for n, t in tensors.items()}
+        arrays = {
+            n: (
+                t.float() if t.dtype not in (torch.float32, torch.float64, torch.float16) else t
+            ).numpy()
+            for n, t in tensors.items()
+        }
         np.savez(path, **arrays)
     elif path.suffix == ".safetensors":
         from safetensors.torch import save_file
@@ -230,9 +254,13 @@ def _read_arrays(path: Path) -> dict:
         try:
             data = np.load(path, allow_pickle=False)
         except (OSError, EOFError, ValueError, zipfile.BadZipFile) as err:
-            raise ValueError(f"inputs file {str(path)!r} is not a readable .npz archive: {err}") from None
+            raise ValueError(
+                f"inputs file {str(path)!r} is not a readable .npz archive: {err}"
+            ) from None
         if not isinstance(data, np.lib.npyio.NpzFile):
-            raise ValueError(f"inputs file {str(path)!r} holds one array, not an .npz archive of q, k, v")
+            raise ValueError(
+                f"inputs file {str(path)!r} holds one array, not an .npz archive of q, k, v"
+            )
         with data:
             return {name: _npz_array(data, name, path) for name in data.files}
     if path.suffix == ".safetensors":
@@ -241,8 +269,12 @@ def _read_arrays(path: Path) -> dict:
         try:
             return load_file(str(path))
         except Exception as err:  # safetensors raises its own SafetensorError
-            raise ValueError(f"inputs file {str(path)!r} is not a readable safetensors file: {err}") from None
-    raise ValueError(f"inputs file must end in .npz or .safetensors (never pickle), got {str(path)!r}")
+            raise ValueError(
+                f"inputs file {str(path)!r} is not a readable safetensors file: {err}"
+            ) from None
+    raise ValueError(
+        f"inputs file must end in .npz or .safetensors (never pickle), got {str(path)!r}"
+    )
 
 
 def _npz_array(data, name: str, path: Path) -> np.ndarray:
@@ -258,7 +290,9 @@ def _npz_array(data, name: str, path: Path) -> np.ndarray:
 def _as_float_tensor(x, name: str, path: Path) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
     if not t.dtype.is_floating_point:
-        raise ValueError(f"array {name!r} of inputs file {str(path)!r} must be floating point, got {t.dtype}")
+        raise ValueError(
+            f"array {name!r} of inputs file {str(path)!r} must be floating point, got {t.dtype}"
+        )
     return t if t.dtype == torch.float64 else t.float()
 
 
@@ -266,17 +300,31 @@ def _check_shapes(t: dict[str, torch.Tensor], path: Path) -> None:
     where = f"inputs file {str(path)!r}"
     for name, x in t.items():
         if x.ndim != 4:
-            raise ValueError(f"array {name!r} of {where} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"array {name!r} of {where} must be 4-D (batch, heads, seq, head_dim), got shape "
+                f"{tuple(x.shape)}"
+            )
     q, k, v = t["q"], t["k"], t["v"]
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"arrays 'k' and 'v' of {where} must agree in (batch, heads, seq), got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"arrays 'k' and 'v' of {where} must agree in (batch, heads, seq), got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"arrays 'q' and 'k' of {where} must agree in batch and head_dim, got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            f"arrays 'q' and 'k' of {where} must agree in batch and head_dim, got {tuple(q.shape)} "
+            f"and {tuple(k.shape)}"
+        )
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"array 'q' of {where} has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}")
+        raise ValueError(
+            f"array 'q' of {where} has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}"
+        )
     want = (*q.shape[:3], v.shape[-1])
     if "do" in t and tuple(t["do"].shape) != want:
-        raise ValueError(f"array 'do' of {where} must have shape (B, H, Sq, Dv) = {want}, got {tuple(t['do'].shape)}")
+        raise ValueError(
+            f"array 'do' of {where} must have shape (B, H, Sq, Dv) = {want}, got "
+            f"{tuple(t['do'].shape)}"
+        )
 
 
 def _sha256(path: Path) -> str:

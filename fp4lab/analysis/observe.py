@@ -39,12 +39,21 @@ def begin_trace(cfg, t: Tiling, q: torch.Tensor, v: torch.Tensor) -> TraceCall |
     if cfg.trace is None:
         return None
     meta = {
-        "reference_dtype": cfg.trace.reference_dtype or _work_dtype(q), "shape_q": tuple(q.shape),
-        "Sk": t.Sk, "kv_heads": t.Hk, "v_dim": v.shape[-1], "dtype": str(q.dtype),
-        "causal": cfg.causal, "scale": cfg.scale, "block_m": t.bm, "block_n": t.bn,
+        "reference_dtype": cfg.trace.reference_dtype or _work_dtype(q),
+        "shape_q": tuple(q.shape),
+        "Sk": t.Sk,
+        "kv_heads": t.Hk,
+        "v_dim": v.shape[-1],
+        "dtype": str(q.dtype),
+        "causal": cfg.causal,
+        "scale": cfg.scale,
+        "block_m": t.bm,
+        "block_n": t.bn,
         "masked": cfg.attn_mask is not None,
         "seed": cfg.seed,  # None unless an int seed was given (a Generator may have advanced)
-        "generator_initial_seed": cfg.generator.initial_seed() if cfg.generator is not None else None,
+        "generator_initial_seed": cfg.generator.initial_seed()
+        if cfg.generator is not None
+        else None,
     }
     return cfg.trace.begin(cfg.recipe.name, (t.B, t.Hk, t.G, t.nQ, t.nK), meta)
 
@@ -61,7 +70,8 @@ class ForwardTrace:
         (qw, kw, vw), (q_src, q_hat, k_hat, v_hat) = inputs, quantized
         self.rec, self.t, self.ops, self.scale, self.mask = rec, t, ops, cfg.scale, mask
         self.stats = {
-            "q": whole_stats(q_src, q_hat, t.q_tiles), "k": whole_stats(kw, k_hat, t.k_tiles),
+            "q": whole_stats(q_src, q_hat, t.q_tiles),
+            "k": whole_stats(kw, k_hat, t.k_tiles),
             "v": whole_stats(vw, v_hat, t.k_tiles),
         }
         ref = rec.meta["reference_dtype"]
@@ -100,7 +110,10 @@ class ChunkTrace:
         rescale_add(self.l_plain, st.weights, plain)
         s_ref = pairs(self.q64, self.k64[:, :, j0:j1]).mul_(self.parent.scale)
         allowed = None if st.unmasked else st.s > -math.inf  # entries the masks leave
-        qk = {**prefix(q_block(stats["q"], i0, i1, like), "a"), **prefix(k_block(stats["k"], j0, j1, like), "b")}
+        qk = {
+            **prefix(q_block(stats["q"], i0, i1, like), "a"),
+            **prefix(k_block(stats["k"], j0, j1, like), "b"),
+        }
         if st.unmasked and self.parent.grams is not None:
             qk.update(gram_product_stats(*self.parent.grams, block, st.s_raw))
         else:
@@ -108,15 +121,21 @@ class ChunkTrace:
         self.rec.add(Product.QK, i0, j0, qk, visible)
         v64 = self.v64[:, :, j0:j1]
         p_extras = {}
-        pv = {**prefix(operand_stats(st.p, st.p_hat.values, st.p_hat.counts, extras=p_extras), "a"),
-              **prefix(k_block(stats["v"], j0, j1, like), "b")}
+        pv = {
+            **prefix(operand_stats(st.p, st.p_hat.values, st.p_hat.counts, extras=p_extras), "a"),
+            **prefix(k_block(stats["v"], j0, j1, like), "b"),
+        }
         pv.update(product_stats(st.pv, times_key(st.p.to(v64.dtype), v64), overwrite=True))
         self.rec.add(Product.PV, i0, j0, pv, visible)
         lost = plain - p_extras["kept_mass"]  # flushed P of each row
-        self.log_lost[..., j0:j1] = (st.m_j + torch.log(lost)).transpose(-1, -2).to(self.log_lost.dtype)
+        self.log_lost[..., j0:j1] = (
+            (st.m_j + torch.log(lost)).transpose(-1, -2).to(self.log_lost.dtype)
+        )
         if not st.unmasked:
             mask = self.parent.mask
-            s_ref = (s_ref if mask is None else mask.apply(s_ref, block)).masked_fill(~allowed, -math.inf)
+            s_ref = (s_ref if mask is None else mask.apply(s_ref, block)).masked_fill(
+                ~allowed, -math.inf
+            )
         p_ref, _, weights = self.exact.advance(s_ref, self.t.reverse, consume=True)
         rescale_add(self.exact.l_i, weights, p_ref.sum(-1))
         rescale_add(self.exact.acc, weights, zero_skipped(times_key(p_ref, v64), st.skipped))
@@ -137,7 +156,9 @@ class ChunkTrace:
         }
         self.rec.add_out(self.i0, out)
         lost = torch.exp(self.log_lost - lse.to(self.log_lost.dtype).unsqueeze(-1))
-        lost = torch.where(rows.unsqueeze(-1), lost, 0.0).sum(-2) / count.unsqueeze(-1)  # (B, Hkv, G, n, nK)
+        lost = torch.where(rows.unsqueeze(-1), lost, 0.0).sum(-2) / count.unsqueeze(
+            -1
+        )  # (B, Hkv, G, n, nK)
         seen = self.t.key_tiles_seen(self.i0, self.i1)
         visible = TileBlock(self.t, self.i0, self.i1, 0, seen).visible()
         self.rec.add(Product.PV, self.i0, 0, {"p_mass_lost": lost[..., :seen]}, visible)
@@ -153,18 +174,37 @@ class BackwardTrace:
         qw, kw, vw, dow = inputs
         self.rec, self.t = rec, t
         plain = {"do_dv": dow, "do_dp": dow, "v_dp": vw, "k_dq": kw, "q_dk": qw}
-        tiler = {"do_dv": t.q_tiles, "do_dp": t.q_tiles, "v_dp": t.k_tiles, "k_dq": t.k_tiles, "q_dk": t.q_tiles}
+        tiler = {
+            "do_dv": t.q_tiles,
+            "do_dp": t.q_tiles,
+            "v_dp": t.k_tiles,
+            "k_dq": t.k_tiles,
+            "q_dk": t.q_tiles,
+        }
         self.stats = {name: whole_stats(plain[name], quant[name], tiler[name]) for name in quant}
-        self.grams = (grams(dow, quant["do_dp"].values, t.q_tiles), grams(vw, quant["v_dp"].values, t.k_tiles))
+        self.grams = (
+            grams(dow, quant["do_dp"].values, t.q_tiles),
+            grams(vw, quant["v_dp"].values, t.k_tiles),
+        )
         ref = rec.meta["reference_dtype"]
-        self.ref = (t.q_tiles(qw.to(ref)), t.k_tiles(kw.to(ref)), t.k_tiles(vw.to(ref)), t.q_tiles(dow.to(ref)))
+        self.ref = (
+            t.q_tiles(qw.to(ref)),
+            t.k_tiles(kw.to(ref)),
+            t.k_tiles(vw.to(ref)),
+            t.q_tiles(dow.to(ref)),
+        )
 
     def step(self, st, ops) -> None:
         """Record one block (a `flash.BackwardStep`)."""
         block, st_ = st.block, self.stats
         i0, i1, j0, j1 = block.i0, block.i1, block.j0, block.j1
         q64, k64, v64, do64 = self.ref
-        q64, do64, k64j, v64j = q64[:, :, :, i0:i1], do64[:, :, :, i0:i1], k64[:, :, j0:j1], v64[:, :, j0:j1]
+        q64, do64, k64j, v64j = (
+            q64[:, :, :, i0:i1],
+            do64[:, :, :, i0:i1],
+            k64[:, :, j0:j1],
+            v64[:, :, j0:j1],
+        )
         like = st.s[..., 0, 0]
         p64, ds64 = st.p.to(q64.dtype), st.ds.to(q64.dtype)
         rows = torch.isfinite(st.lse)  # rows that see a key, (B, Hkv, G, n, 1, bm)
@@ -174,7 +214,9 @@ class BackwardTrace:
         mass = torch.where(rows, lost, 0.0).double().sum(-1) / rows.sum(-1).double()
         allowed = None if st.unmasked else st.s > -math.inf
         dq_stats = operand_stats(st.ds, st.ds_dq.values, st.ds_dq.counts, extras=ds_extras)
-        dk_stats = operand_stats(st.ds, st.ds_dk.values, st.ds_dk.counts, nonzero=ds_extras["nonzero"])
+        dk_stats = operand_stats(
+            st.ds, st.ds_dk.values, st.ds_dk.counts, nonzero=ds_extras["nonzero"]
+        )
         if st.unmasked:
             dp_err = gram_product_stats(*self.grams, block, st.dp)
         else:
@@ -183,17 +225,36 @@ class BackwardTrace:
         if st.p_fwd is not None:  # the backward's P against the forward's
             dv_extra["p_fwd_mismatch"] = product_stats(st.p_dv.values, st.p_fwd)["prod_err"]
         records = {
-            Product.DV: (p_stats, q_block(st_["do_dv"], i0, i1, like),
-                         product_stats(st.dv, t_times_query(p64, do64), overwrite=True), dv_extra),
-            Product.DP: (q_block(st_["do_dp"], i0, i1, like), k_block(st_["v_dp"], j0, j1, like), dp_err, {}),
-            Product.DQ: (dq_stats, k_block(st_["k_dq"], j0, j1, like),
-                         product_stats(st.dq, times_key(ds64, k64j), overwrite=True), {}),
-            Product.DK: (dk_stats, q_block(st_["q_dk"], i0, i1, like),
-                         product_stats(st.dk, t_times_query(ds64, q64), overwrite=True), {}),
+            Product.DV: (
+                p_stats,
+                q_block(st_["do_dv"], i0, i1, like),
+                product_stats(st.dv, t_times_query(p64, do64), overwrite=True),
+                dv_extra,
+            ),
+            Product.DP: (
+                q_block(st_["do_dp"], i0, i1, like),
+                k_block(st_["v_dp"], j0, j1, like),
+                dp_err,
+                {},
+            ),
+            Product.DQ: (
+                dq_stats,
+                k_block(st_["k_dq"], j0, j1, like),
+                product_stats(st.dq, times_key(ds64, k64j), overwrite=True),
+                {},
+            ),
+            Product.DK: (
+                dk_stats,
+                q_block(st_["q_dk"], i0, i1, like),
+                product_stats(st.dk, t_times_query(ds64, q64), overwrite=True),
+                {},
+            ),
         }
         visible = block.visible()
         for product, (sa, sb, prod, extra) in records.items():
-            self.rec.add(product, i0, j0, {**prefix(sa, "a"), **prefix(sb, "b"), **prod, **extra}, visible)
+            self.rec.add(
+                product, i0, j0, {**prefix(sa, "a"), **prefix(sb, "b"), **prod, **extra}, visible
+            )
 
 
 # -- statistics of whole-tensor operands and of products -------------------------------------------
@@ -231,7 +292,11 @@ def gram_product_stats(a: tuple, b: tuple, block, y: torch.Tensor) -> dict:
     ref, cross, quant = (inner(x, z) for x, z in zip(a, b, strict=True))
     err2 = (quant - 2 * cross + ref).clamp_(min=0)
     err = torch.where(err2 == 0, 0.0, (err2 / ref).sqrt())
-    nan = torch.zeros_like(err) if bool(torch.isfinite(err).all()) else torch.isnan(y).sum((-2, -1)).double()
+    nan = (
+        torch.zeros_like(err)
+        if bool(torch.isfinite(err).all())
+        else torch.isnan(y).sum((-2, -1)).double()
+    )
     return {"prod_err": err, "prod_nan": nan}
 
 

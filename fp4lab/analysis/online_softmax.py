@@ -39,8 +39,15 @@ class OnlineSoftmax:
     lazy_log2: float | None = None
 
     @classmethod
-    def start(cls, shape, dv: int, like: torch.Tensor, prime: bool = False, fixed_m=None,
-              lazy_log2: float | None = None) -> OnlineSoftmax:
+    def start(
+        cls,
+        shape,
+        dv: int,
+        like: torch.Tensor,
+        prime: bool = False,
+        fixed_m=None,
+        lazy_log2: float | None = None,
+    ) -> OnlineSoftmax:
         zeros = lambda *extra: like.new_zeros(*shape, *extra)  # noqa: E731
         m_i = like.new_full(shape, -math.inf)
         primes = (zeros(), zeros(dv)) if prime else (None, None)
@@ -70,7 +77,6 @@ class OnlineSoftmax:
         out = torch.where(empty.unsqueeze(-1), 0.0, acc / denom.unsqueeze(-1))
         lse = torch.where(empty, math.inf, self.m_i + torch.log(denom))
         return out, lse
-
 
     def _references(self, rowmax: torch.Tensor, reverse: bool) -> torch.Tensor:
         """The row reference each key tile of a block sees, (..., n, g, bm), from the tiles'

@@ -72,7 +72,9 @@ def _direct_p(s, m_row, recipe: AttentionRecipe, counts: bool) -> Quantized:
         if groups is None:
             u = affine
         else:  # bit g: the g-th block of each key tile
-            chosen = torch.tensor([bool(groups >> g & 1) for g in range(zb.shape[-2])], device=z.device)
+            chosen = torch.tensor(
+                [bool(groups >> g & 1) for g in range(zb.shape[-2])], device=z.device
+            )
             u = torch.where(chosen.view(-1, 1), affine, u)
     codes = round_to_format(u, spec.element)
     p_hat = (torch.exp2(e_b) * codes / m_e).reshape(z.shape)
@@ -81,8 +83,10 @@ def _direct_p(s, m_row, recipe: AttentionRecipe, counts: bool) -> Quantized:
         seen = top.squeeze(-1) > -math.inf
         under = ((e_b.squeeze(-1) == lo) & seen).sum((-2, -1))
         found = {
-            "clipped": (u > m_e).sum((-3, -2, -1)), "blocks": seen.sum((-2, -1)),
-            "scale_underflow": under, "scale_overflow": torch.zeros_like(under),
+            "clipped": (u > m_e).sum((-3, -2, -1)),
+            "blocks": seen.sum((-2, -1)),
+            "scale_underflow": under,
+            "scale_overflow": torch.zeros_like(under),
         }
     return Quantized(p_hat, found)
 

@@ -30,7 +30,14 @@ from matplotlib.figure import Figure
 
 from fp4lab.recipes import ID_COLUMNS, Product
 
-__all__ = ["tile_grid", "tile_heatmap", "product_heatmaps", "recipe_heatmaps", "sweep_curve", "convergence_curve"]
+__all__ = [
+    "tile_grid",
+    "tile_heatmap",
+    "product_heatmaps",
+    "recipe_heatmaps",
+    "sweep_curve",
+    "convergence_curve",
+]
 
 PRODUCTS = tuple(p.value for p in Product)
 
@@ -43,26 +50,37 @@ def _frame(trace) -> pd.DataFrame:
     return frame
 
 
-def tile_grid(trace, column: str, *, product: str = "pv", batch: int = 0, head: int = 0,
-              call: int = 0) -> pd.DataFrame:
+def tile_grid(
+    trace, column: str, *, product: str = "pv", batch: int = 0, head: int = 0, call: int = 0
+) -> pd.DataFrame:
     """`column` of one (call, product, batch, head) as a (q_tile x k_tile) table; tiles
     absent from the trace (skipped by a causal mask) are NaN. Product "out" gives one column
     (k_tile -1) of per-query-tile statistics."""
     frame = _frame(trace)
     if column not in frame.columns or column in ID_COLUMNS:
         known = [c for c in frame.columns if c not in ID_COLUMNS]
-        raise ValueError(f"column {column!r} is not a statistic of the trace; known: {', '.join(known)}")
+        raise ValueError(
+            f"column {column!r} is not a statistic of the trace; known: {', '.join(known)}"
+        )
     frame = frame[frame["call"] == call]
     rows = frame[frame["product"] == product]
     if rows.empty:
         have = sorted(frame["product"].unique())
-        raise ValueError(f"product {product!r} has no rows in call {call}; the trace has {have or 'none'}")
+        raise ValueError(
+            f"product {product!r} has no rows in call {call}; the trace has {have or 'none'}"
+        )
     rows = rows[(rows["batch"] == batch) & (rows["head"] == head)]
     if rows.empty:
         raise ValueError(f"batch={batch}, head={head} is not in the trace of product {product!r}")
-    grid = rows.pivot_table(index="q_tile", columns="k_tile", values=column, aggfunc="first", dropna=False)
+    grid = rows.pivot_table(
+        index="q_tile", columns="k_tile", values=column, aggfunc="first", dropna=False
+    )
     q_tiles = range(int(frame["q_tile"].max()) + 1)
-    k_tiles = [-1] if product == "out" else range(int(frame.loc[frame["k_tile"] >= 0, "k_tile"].max()) + 1)
+    k_tiles = (
+        [-1]
+        if product == "out"
+        else range(int(frame.loc[frame["k_tile"] >= 0, "k_tile"].max()) + 1)
+    )
     return grid.reindex(index=q_tiles, columns=k_tiles).astype(float)
 
 
@@ -77,12 +95,25 @@ def _norm(values: np.ndarray, log: bool):
         return LogNorm(lo, hi if hi > lo else lo * 10)
     if finite.size == 0:
         return Normalize(0, 1)
-    return Normalize(finite.min(), finite.max() if finite.max() > finite.min() else finite.min() + 1)
+    return Normalize(
+        finite.min(), finite.max() if finite.max() > finite.min() else finite.min() + 1
+    )
 
 
-def tile_heatmap(trace, column: str = "prod_err", *, product: str = "pv", batch: int = 0, head: int = 0,
-                 call: int = 0, log: bool = False, annot: bool = False, ax: Axes | None = None,
-                 norm=None, cbar: bool = True) -> Axes:
+def tile_heatmap(
+    trace,
+    column: str = "prod_err",
+    *,
+    product: str = "pv",
+    batch: int = 0,
+    head: int = 0,
+    call: int = 0,
+    log: bool = False,
+    annot: bool = False,
+    ax: Axes | None = None,
+    norm=None,
+    cbar: bool = True,
+) -> Axes:
     """Heatmap of `column` over (query tile, key tile) for one product, batch and head.
 
     Args:
@@ -97,13 +128,26 @@ def tile_heatmap(trace, column: str = "prod_err", *, product: str = "pv", batch:
     """
     grid = tile_grid(trace, column, product=product, batch=batch, head=head, call=call)
     if ax is None:
-        ax = Figure(figsize=(1.2 + 0.45 * grid.shape[1] + 1.5, 1.0 + 0.45 * grid.shape[0] + 0.8)).subplots()
+        ax = Figure(
+            figsize=(1.2 + 0.45 * grid.shape[1] + 1.5, 1.0 + 0.45 * grid.shape[0] + 0.8)
+        ).subplots()
     data = grid.where(grid > 0) if log else grid
     norm = norm or _norm(grid.to_numpy(), log)
     with warnings.catch_warnings():  # a blank panel (every tile 0 on a log scale) is a result
         warnings.filterwarnings("ignore", "All-NaN slice", RuntimeWarning)
-        sns.heatmap(data, ax=ax, norm=norm, cmap="viridis", annot=annot, fmt=".2g", cbar=cbar,
-                    cbar_kws={"label": column}, square=True, linewidths=0.5, linecolor="white")
+        sns.heatmap(
+            data,
+            ax=ax,
+            norm=norm,
+            cmap="viridis",
+            annot=annot,
+            fmt=".2g",
+            cbar=cbar,
+            cbar_kws={"label": column},
+            square=True,
+            linewidths=0.5,
+            linecolor="white",
+        )
     ax.set_xlabel("key tile" if product != "out" else "")
     ax.set_ylabel("query tile")
     ax.set_title(f"{product}: {column} (batch {batch}, head {head})")
@@ -125,8 +169,16 @@ def _panels(n: int, width: float = 3.6, height: float = 3.2) -> tuple[Figure, li
     return fig, axes[:n]
 
 
-def product_heatmaps(trace, column: str = "prod_err", *, products=None, batch: int = 0, head: int = 0,
-                     call: int = 0, log: bool = True) -> Figure:
+def product_heatmaps(
+    trace,
+    column: str = "prod_err",
+    *,
+    products=None,
+    batch: int = 0,
+    head: int = 0,
+    call: int = 0,
+    log: bool = True,
+) -> Figure:
     """`column` over (query tile, key tile) for each product of `products` (default: every
     product of qk, pv, dv, dp, dq, dk the trace holds), one panel each, one colour scale."""
     frame = _frame(trace)
@@ -134,42 +186,84 @@ def product_heatmaps(trace, column: str = "prod_err", *, products=None, batch: i
     products = [p for p in PRODUCTS if p in present] if products is None else list(products)
     if not products:
         raise ValueError(f"products: the trace holds no product rows in call {call}")
-    grids = [tile_grid(frame, column, product=p, batch=batch, head=head, call=call) for p in products]
+    grids = [
+        tile_grid(frame, column, product=p, batch=batch, head=head, call=call) for p in products
+    ]
     norm = _norm(np.concatenate([g.to_numpy().ravel() for g in grids]), log)
     fig, axes = _panels(len(products))
     for i, (product, ax) in enumerate(zip(products, axes, strict=True)):
-        tile_heatmap(frame, column, product=product, batch=batch, head=head, call=call, log=log, ax=ax,
-                     norm=norm, cbar=_with_bar(i, len(products)))
+        tile_heatmap(
+            frame,
+            column,
+            product=product,
+            batch=batch,
+            head=head,
+            call=call,
+            log=log,
+            ax=ax,
+            norm=norm,
+            cbar=_with_bar(i, len(products)),
+        )
         ax.set_title(product)
     recipe = frame.loc[frame["call"] == call, "recipe"].iloc[0]
     fig.suptitle(f"{recipe}: {column} per tile (batch {batch}, head {head})")
     return fig
 
 
-def recipe_heatmaps(traces: dict, column: str = "prod_err", *, product: str = "pv", batch: int = 0,
-                    head: int = 0, log: bool = True) -> Figure:
+def recipe_heatmaps(
+    traces: dict,
+    column: str = "prod_err",
+    *,
+    product: str = "pv",
+    batch: int = 0,
+    head: int = 0,
+    log: bool = True,
+) -> Figure:
     """`column` of `product` over (query tile, key tile), one panel per recipe of `traces`
     (a mapping of titles to `Trace`s or their frames), on one colour scale."""
     if not traces:
         raise ValueError("traces must hold at least one trace")
-    grids = {name: tile_grid(t, column, product=product, batch=batch, head=head) for name, t in traces.items()}
+    grids = {
+        name: tile_grid(t, column, product=product, batch=batch, head=head)
+        for name, t in traces.items()
+    }
     norm = _norm(np.concatenate([g.to_numpy().ravel() for g in grids.values()]), log)
     fig, axes = _panels(len(grids))
     for i, ((name, trace), ax) in enumerate(zip(traces.items(), axes, strict=True)):
-        tile_heatmap(trace, column, product=product, batch=batch, head=head, log=log, ax=ax, norm=norm,
-                     cbar=_with_bar(i, len(grids)))
+        tile_heatmap(
+            trace,
+            column,
+            product=product,
+            batch=batch,
+            head=head,
+            log=log,
+            ax=ax,
+            norm=norm,
+            cbar=_with_bar(i, len(grids)),
+        )
         ax.set_title(name)
     fig.suptitle(f"{product}: {column} per tile (batch {batch}, head {head})")
     return fig
 
 
-def sweep_curve(frame: pd.DataFrame, x: str, y: str, *, hue: str | None = None, logx: bool = False,
-                logy: bool = False, ax: Axes | None = None) -> Axes:
+def sweep_curve(
+    frame: pd.DataFrame,
+    x: str,
+    y: str,
+    *,
+    hue: str | None = None,
+    logx: bool = False,
+    logy: bool = False,
+    ax: Axes | None = None,
+) -> Axes:
     """`y` against the swept parameter `x`, one line per value of `hue` (seaborn's lineplot;
     repeated x values are averaged with a confidence band)."""
     missing = [c for c in (x, y, hue) if c is not None and c not in frame.columns]
     if missing:
-        raise ValueError(f"column {missing[0]!r} is not in the frame; it has {', '.join(map(str, frame.columns))}")
+        raise ValueError(
+            f"column {missing[0]!r} is not in the frame; it has "
+            f"{', '.join(map(str, frame.columns))}"
+        )
     if ax is None:
         ax = Figure(figsize=(5.5, 4), layout="constrained").subplots()
     sns.lineplot(data=frame, x=x, y=y, hue=hue, marker="o", ax=ax)
@@ -187,7 +281,9 @@ def convergence_curve(convergence: pd.DataFrame, *, ax: Axes | None = None) -> A
         ax = Figure(figsize=(5.5, 4), layout="constrained").subplots()
     tensors = list(dict.fromkeys(convergence["tensor"]))
     palette = dict(zip(tensors, sns.color_palette(n_colors=len(tensors)), strict=True))
-    sns.lineplot(data=convergence, x="n", y="rel_mse", hue="tensor", palette=palette, marker="o", ax=ax)
+    sns.lineplot(
+        data=convergence, x="n", y="rel_mse", hue="tensor", palette=palette, marker="o", ax=ax
+    )
     for tensor, rows in convergence.groupby("tensor", sort=False):
         ax.plot(rows["n"], rows["noise_only"], linestyle="--", color=palette[tensor], alpha=0.7)
     ax.set_xscale("log")

@@ -81,14 +81,23 @@ def quantize_operand(
             clipped = xs.abs() > spec.max
             found = {"clipped": clipped.sum((-2, -1)) if per_tile else clipped}
     else:
-        values, found = _block_quantize(xs, spec, axis, per_tile, counts, noise, generator, scope_dims)
+        values, found = _block_quantize(
+            xs, spec, axis, per_tile, counts, noise, generator, scope_dims
+        )
     if lift != 1.0:
         values = values / lift
     return Quantized(values, found)
 
 
-def quantize_field(x, recipe: AttentionRecipe, field: str, draws, counts: bool, at=None,
-                   tiling: Tiling | None = None) -> Quantized:
+def quantize_field(
+    x,
+    recipe: AttentionRecipe,
+    field: str,
+    draws,
+    counts: bool,
+    at=None,
+    tiling: Tiling | None = None,
+) -> Quantized:
     """Operand `field` of `recipe`, along its blocks' axis (`AttentionRecipe.block_axis`); a
     stochastic spec rounds with `draws` (a `streams.Draws`) at the operand's position: a tile
     tensor's first (query tile, key tile) `at`, or a whole tensor (B, H, S, E), whose tensor
@@ -98,42 +107,64 @@ def quantize_field(x, recipe: AttentionRecipe, field: str, draws, counts: bool, 
     noise = draws.for_operand(field, x, at) if stochastic(spec) else None
     lift = getattr(recipe, op.lift) if op.lift else 1.0
     if op.per_tile or recipe.tensor_scope is TensorScope.TENSOR:
-        return quantize_operand(x, spec, axis=axis, per_tile=op.per_tile, lift=lift, counts=counts, noise=noise)
+        return quantize_operand(
+            x, spec, axis=axis, per_tile=op.per_tile, lift=lift, counts=counts, noise=noise
+        )
     query_side = op.seq is Seq.QUERY
     if recipe.tensor_scope is TensorScope.HEAD:
-        return _quantize_per_group(x, spec, axis, tiling.G if query_side else 1, lift, counts, noise)
-    return _quantize_in_tiles(x, spec, axis, tiling.bm if query_side else tiling.bn, lift, counts, noise)
+        return _quantize_per_group(
+            x, spec, axis, tiling.G if query_side else 1, lift, counts, noise
+        )
+    return _quantize_in_tiles(
+        x, spec, axis, tiling.bm if query_side else tiling.bn, lift, counts, noise
+    )
 
 
-def _quantize_per_group(x, spec, axis: int, groups: int, lift: float, counts: bool, noise) -> Quantized:
+def _quantize_per_group(
+    x, spec, axis: int, groups: int, lift: float, counts: bool, noise
+) -> Quantized:
     """A whole tensor (B, H, S, E) whose tensor scale is taken per (batch, key/value head):
     `groups` consecutive heads (a query-side tensor's heads of one KV head) share one."""
     b, h, n, e = x.shape
     view = lambda t: t.reshape(b, h // groups, groups, n, e)  # noqa: E731  (B, Hkv, G, S, E)
     noise = view(noise) if noise is not None else None
-    out = quantize_operand(view(x), spec, axis=axis, lift=lift, counts=counts, noise=noise, scope_dims=2)
+    out = quantize_operand(
+        view(x), spec, axis=axis, lift=lift, counts=counts, noise=noise, scope_dims=2
+    )
     found = None
     if out.counts is not None:
         found = {k: v.reshape(x.shape) if v is not None else None for k, v in out.counts.items()}
     return Quantized(out.values.reshape(x.shape), found)
 
 
-def _quantize_in_tiles(x, spec, axis: int, rows: int, lift: float, counts: bool, noise) -> Quantized:
+def _quantize_in_tiles(
+    x, spec, axis: int, rows: int, lift: float, counts: bool, noise
+) -> Quantized:
     """A whole tensor (B, H, S, E) whose tensor scale is taken per tile of `rows` rows."""
     b, h, n, e = x.shape
     pad = -n % rows
     cut = lambda t: F.pad(t, (0, 0, 0, pad)).reshape(b, h, -1, rows, e)  # noqa: E731  (B, H, nT, rows, E)
     join = lambda t: t.reshape(b, h, n + pad, e)[:, :, :n]  # noqa: E731
     noise = cut(noise) if noise is not None else None
-    out = quantize_operand(cut(x), spec, axis=axis, lift=lift, counts=counts, noise=noise, scope_dims=3)
+    out = quantize_operand(
+        cut(x), spec, axis=axis, lift=lift, counts=counts, noise=noise, scope_dims=3
+    )
     found = None
     if out.counts is not None:
         found = {k: join(v) if v is not None else None for k, v in out.counts.items()}
     return Quantized(join(out.values), found)
 
 
-def _block_quantize(x, spec: QuantSpec, axis: int, per_tile: bool, counts: bool, noise, generator,
-                    scope_dims: int = 0):
+def _block_quantize(
+    x,
+    spec: QuantSpec,
+    axis: int,
+    per_tile: bool,
+    counts: bool,
+    noise,
+    generator,
+    scope_dims: int = 0,
+):
     """fp4lab.formats' quantize pipeline and its dequantization (`quantize_blocks`), with the
     tensor scale taken over the whole of x or, with per_tile, over each tile (the last two
     dims: batch_dims = x.ndim - 2)."""
@@ -141,7 +172,9 @@ def _block_quantize(x, spec: QuantSpec, axis: int, per_tile: bool, counts: bool,
         axis = -1  # 2-D tiles lie on the natural layout
     elif spec.block is None and per_tile:
         if spec.hadamard is not None:
-            raise ValueError(f"spec {spec.name!r}: a per-tile scale does not combine with a Hadamard transform")
+            raise ValueError(
+                f"spec {spec.name!r}: a per-tile scale does not combine with a Hadamard transform"
+            )
         # one scale per tile: a 2-D block covering the tile (then the counts' sums below hold)
         spec, axis = dataclasses.replace(spec, block=tuple(x.shape[-2:])), -1
     batch_dims = (x.ndim - 2 if spec.tensor_scale else 0) if per_tile else scope_dims
@@ -162,7 +195,10 @@ def _counts(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> di
         "scale_overflow": ideal > spec.scale.max * (1 + _SLACK),
     }
     if per_tile:  # a tile is the last two block dims
-        return {"clipped": exact_count(clipped, (-3, -2, -1)), **{k: v.sum((-2, -1)) for k, v in blocks.items()}}
+        return {
+            "clipped": exact_count(clipped, (-3, -2, -1)),
+            **{k: v.sum((-2, -1)) for k, v in blocks.items()},
+        }
     marks = {}
     for name, flag in blocks.items():  # each block marked at its first element
         mark = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)

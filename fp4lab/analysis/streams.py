@@ -68,7 +68,9 @@ class Draws:
             tiles = range(-(-x.shape[2] // rows))
             for b, h, i in itertools.product(range(x.shape[0]), range(x.shape[1]), tiles):
                 part = out[b, h, i * rows : (i + 1) * rows]
-                part.copy_(self._uniforms(op.stream, b, h, i, shape=(rows, x.shape[3]))[: part.shape[0]])
+                part.copy_(
+                    self._uniforms(op.stream, b, h, i, shape=(rows, x.shape[3]))[: part.shape[0]]
+                )
         return out.to(x.device)
 
 

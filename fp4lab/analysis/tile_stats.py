@@ -45,15 +45,21 @@ def operand_stats(
     if extras is not None:
         extras.update(nonzero=nonzero, kept_mass=scratch.mul_(x).sum(-1))
     counts = counts or {}
-    stats["clipped"] = _fraction(counts["clipped"], nonzero) if "clipped" in counts else torch.zeros_like(diff)
+    stats["clipped"] = (
+        _fraction(counts["clipped"], nonzero) if "clipped" in counts else torch.zeros_like(diff)
+    )
     blocks = counts.get("blocks")
     for name in ("scale_underflow", "scale_overflow"):
         hits = counts.get(name)
-        stats[name] = _fraction(hits, blocks) if hits is not None else torch.full_like(diff, float("nan"))
+        stats[name] = (
+            _fraction(hits, blocks) if hits is not None else torch.full_like(diff, float("nan"))
+        )
     return stats
 
 
-def product_stats(y: torch.Tensor, y_ref: torch.Tensor, *, overwrite: bool = False) -> dict[str, torch.Tensor]:
+def product_stats(
+    y: torch.Tensor, y_ref: torch.Tensor, *, overwrite: bool = False
+) -> dict[str, torch.Tensor]:
     """``prod_err`` and ``prod_nan`` of product tiles y (..., rows, cols) against y_ref
     (in y_ref's precision). With `overwrite`, y_ref is used as scratch (no allocation)."""
     dims = (-2, -1)

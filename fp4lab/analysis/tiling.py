@@ -25,7 +25,13 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "BLOCK_ELEMENTS", "Tiling", "TileBlock", "MaskTiles", "zero_skipped", "pairs", "times_key",
+    "BLOCK_ELEMENTS",
+    "Tiling",
+    "TileBlock",
+    "MaskTiles",
+    "zero_skipped",
+    "pairs",
+    "times_key",
     "t_times_query",
 ]
 
@@ -101,7 +107,9 @@ class Tiling:
         for i0 in range(0, self.nQ, step):
             i1 = min(i0 + step, self.nQ)
             seen = self.key_tiles_seen(i0, i1)
-            blocks = [TileBlock(self, i0, i1, j, min(j + group, seen)) for j in range(0, seen, group)]
+            blocks = [
+                TileBlock(self, i0, i1, j, min(j + group, seen)) for j in range(0, seen, group)
+            ]
             out.append((i0, i1, blocks[::-1] if self.reverse else blocks))
         return out
 

@@ -118,22 +118,26 @@ class Operand:
     stream: int
 
 
-_E, _Q, _K = Extent, Seq.QUERY, Seq.KEY
+_D, _DV, _S, _M, _N = Extent.HEAD_DIM, Extent.V_DIM, Extent.SEQ, Extent.BLOCK_M, Extent.BLOCK_N
+_Q, _K = Seq.QUERY, Seq.KEY
+QK, PV, DV, DP, DQ, DK = Product
+# fmt: off
 # field, product, side, name, axis, along, tile rows, tile cols, per tile, lift, seq, stream
 OPERANDS = (
-    Operand("q", Product.QK, "a", "q", -1, _E.HEAD_DIM, _E.SEQ, _E.HEAD_DIM, False, None, _Q, 0),
-    Operand("k", Product.QK, "b", "k", -1, _E.HEAD_DIM, _E.SEQ, _E.HEAD_DIM, False, None, _K, 1),
-    Operand("p", Product.PV, "a", "p", -1, _E.BLOCK_N, _E.BLOCK_M, _E.BLOCK_N, True, "p_lift", _Q, 3),
-    Operand("v", Product.PV, "b", "v", -2, _E.SEQ, _E.SEQ, _E.V_DIM, False, None, _K, 2),
-    Operand("dv_p", Product.DV, "a", "p", -2, _E.BLOCK_M, _E.BLOCK_M, _E.BLOCK_N, True, "dv_p_lift", _Q, 4),
-    Operand("dv_do", Product.DV, "b", "do", -2, _E.SEQ, _E.SEQ, _E.V_DIM, False, None, _Q, 5),
-    Operand("dp_do", Product.DP, "a", "do", -1, _E.V_DIM, _E.SEQ, _E.V_DIM, False, None, _Q, 6),
-    Operand("dp_v", Product.DP, "b", "v", -1, _E.V_DIM, _E.SEQ, _E.V_DIM, False, None, _K, 7),
-    Operand("dq_ds", Product.DQ, "a", "ds", -1, _E.BLOCK_N, _E.BLOCK_M, _E.BLOCK_N, True, "ds_lift", _Q, 8),
-    Operand("dq_k", Product.DQ, "b", "k", -2, _E.SEQ, _E.SEQ, _E.HEAD_DIM, False, None, _K, 9),
-    Operand("dk_ds", Product.DK, "a", "ds", -2, _E.BLOCK_M, _E.BLOCK_M, _E.BLOCK_N, True, "ds_lift", _Q, 10),
-    Operand("dk_q", Product.DK, "b", "q", -2, _E.SEQ, _E.SEQ, _E.HEAD_DIM, False, None, _Q, 11),
+    Operand("q",     QK, "a", "q",  -1, _D,  _S, _D,  False, None,        _Q, 0),
+    Operand("k",     QK, "b", "k",  -1, _D,  _S, _D,  False, None,        _K, 1),
+    Operand("p",     PV, "a", "p",  -1, _N,  _M, _N,  True,  "p_lift",    _Q, 3),
+    Operand("v",     PV, "b", "v",  -2, _S,  _S, _DV, False, None,        _K, 2),
+    Operand("dv_p",  DV, "a", "p",  -2, _M,  _M, _N,  True,  "dv_p_lift", _Q, 4),
+    Operand("dv_do", DV, "b", "do", -2, _S,  _S, _DV, False, None,        _Q, 5),
+    Operand("dp_do", DP, "a", "do", -1, _DV, _S, _DV, False, None,        _Q, 6),
+    Operand("dp_v",  DP, "b", "v",  -1, _DV, _S, _DV, False, None,        _K, 7),
+    Operand("dq_ds", DQ, "a", "ds", -1, _N,  _M, _N,  True,  "ds_lift",   _Q, 8),
+    Operand("dq_k",  DQ, "b", "k",  -2, _S,  _S, _D,  False, None,        _K, 9),
+    Operand("dk_ds", DK, "a", "ds", -2, _M,  _M, _N,  True,  "ds_lift",   _Q, 10),
+    Operand("dk_q",  DK, "b", "q",  -2, _S,  _S, _D,  False, None,        _Q, 11),
 )
+# fmt: on
 
 OPERAND_FIELDS = tuple(o.field for o in OPERANDS)
 _BY_FIELD = {o.field: o for o in OPERANDS}
@@ -145,4 +149,6 @@ def operand(field: str) -> Operand:
     try:
         return _BY_FIELD[field]
     except KeyError:
-        raise ValueError(f"field must be one of {', '.join(OPERAND_FIELDS)}; got {field!r}") from None
+        raise ValueError(
+            f"field must be one of {', '.join(OPERAND_FIELDS)}; got {field!r}"
+        ) from None

@@ -70,10 +70,25 @@ from fp4lab.recipes.recipe import (
 )
 
 __all__ = [
-    "PRESETS", "EXACT", "FLASH_BF16", "FP8_PER_TENSOR", "FA3_FP8", "FA3_FP8_PAPER", "SAGEATTN3",
-    "SAGEATTN3_PAPER", "ATTN_QAT", "ATTN_QAT_KERNEL", "ATTN_QAT_DROPIN", "FA4FP4_CAUSAL",
-    "FA4FP4_CAUSAL_MXFP4PV", "FA4FP4_CAUSAL_MXFP4PV_D64", "FA4FP4_CAUSAL_MXFP4PV_FIXED",
-    "FA4FP4_CAUSAL_MXFP8PV", "FA4FP4_DIRECTP", "CROISSATTN", "CROISSATTN_EDEN",
+    "PRESETS",
+    "EXACT",
+    "FLASH_BF16",
+    "FP8_PER_TENSOR",
+    "FA3_FP8",
+    "FA3_FP8_PAPER",
+    "SAGEATTN3",
+    "SAGEATTN3_PAPER",
+    "ATTN_QAT",
+    "ATTN_QAT_KERNEL",
+    "ATTN_QAT_DROPIN",
+    "FA4FP4_CAUSAL",
+    "FA4FP4_CAUSAL_MXFP4PV",
+    "FA4FP4_CAUSAL_MXFP4PV_D64",
+    "FA4FP4_CAUSAL_MXFP4PV_FIXED",
+    "FA4FP4_CAUSAL_MXFP8PV",
+    "FA4FP4_DIRECTP",
+    "CROISSATTN",
+    "CROISSATTN_EDEN",
 ]
 
 _BACKWARD_FIELDS = tuple(f for p in Product if p.backward for f in p.fields)
@@ -116,10 +131,20 @@ def FP8_PER_TENSOR() -> AttentionRecipe:
     values lie in [0, 1]); dS, which exists only inside the kernel, takes its per-tensor
     scale per tile."""
     return AttentionRecipe(
-        name="fp8_per_tensor", q=FP8_E4M3_TENSOR, k=FP8_E4M3_TENSOR, p=FP8_E4M3FN,
-        v=FP8_E4M3_TENSOR, dv_p=FP8_E4M3FN, dv_do=FP8_E5M2_TENSOR, dp_do=FP8_E5M2_TENSOR,
-        dp_v=FP8_E4M3_TENSOR, dq_ds=FP8_E5M2_TENSOR, dq_k=FP8_E4M3_TENSOR,
-        dk_ds=FP8_E5M2_TENSOR, dk_q=FP8_E4M3_TENSOR, source="arXiv 2209.05433 (paper)",
+        name="fp8_per_tensor",
+        q=FP8_E4M3_TENSOR,
+        k=FP8_E4M3_TENSOR,
+        p=FP8_E4M3FN,
+        v=FP8_E4M3_TENSOR,
+        dv_p=FP8_E4M3FN,
+        dv_do=FP8_E5M2_TENSOR,
+        dp_do=FP8_E5M2_TENSOR,
+        dp_v=FP8_E4M3_TENSOR,
+        dq_ds=FP8_E5M2_TENSOR,
+        dq_k=FP8_E4M3_TENSOR,
+        dk_ds=FP8_E5M2_TENSOR,
+        dk_q=FP8_E4M3_TENSOR,
+        source="arXiv 2209.05433 (paper)",
     )
 
 
@@ -149,10 +174,17 @@ def FA3_FP8() -> AttentionRecipe:
     kernel's tiles for FP8 were not verified (128 x 128 here); Hopper FP8 WGMMA's reduced
     internal accumulation precision is not modelled."""
     return AttentionRecipe(
-        name="fa3_fp8", q=FP8_E4M3_TENSOR, k=FP8_E4M3_TENSOR, v=FP8_E4M3_TENSOR, p=FP8_E4M3FN,
-        p_lift=256.0, kv_order=KVOrder.REVERSE, tensor_scope=TensorScope.HEAD,
+        name="fa3_fp8",
+        q=FP8_E4M3_TENSOR,
+        k=FP8_E4M3_TENSOR,
+        v=FP8_E4M3_TENSOR,
+        p=FP8_E4M3FN,
+        p_lift=256.0,
+        kv_order=KVOrder.REVERSE,
+        tensor_scope=TensorScope.HEAD,
         backward_p=BackwardP.UNQUANTIZED_QK,
-        source="Dao-AILab/flash-attention hopper/ (softmax.h, flash_api.cpp, mainloop_fwd_sm90_tma_gmma_ws.hpp)",
+        source="Dao-AILab/flash-attention hopper/ (softmax.h, flash_api.cpp, "
+        "mainloop_fwd_sm90_tma_gmma_ws.hpp)",
     )
 
 
@@ -172,9 +204,16 @@ def FA3_FP8_PAPER() -> AttentionRecipe:
     amax / 448 in FP32; V's 128-row blocks lie along the key sequence; the Hadamard signs
     come from `incoherent_seed=0`."""
     return AttentionRecipe(
-        name="fa3_fp8_paper", q=FP8_E4M3_TILE128, k=FP8_E4M3_TILE128, v=FP8_E4M3_TILE128,
-        p=FP8_E4M3FN, p_lift=256.0, kv_order=KVOrder.REVERSE, incoherent_processing=True,
-        backward_p=BackwardP.UNQUANTIZED_QK, source="arXiv 2407.08608, Sec. 3.3 (paper)",
+        name="fa3_fp8_paper",
+        q=FP8_E4M3_TILE128,
+        k=FP8_E4M3_TILE128,
+        v=FP8_E4M3_TILE128,
+        p=FP8_E4M3FN,
+        p_lift=256.0,
+        kv_order=KVOrder.REVERSE,
+        incoherent_processing=True,
+        backward_p=BackwardP.UNQUANTIZED_QK,
+        source="arXiv 2407.08608, Sec. 3.3 (paper)",
     )
 
 
@@ -211,10 +250,20 @@ def SAGEATTN3() -> AttentionRecipe:
     causal path's first masking step appears not to add its tile's P V to O (``if
     (masking_step > 0)``), and the first tile reads AbsMaxP before filling it."""
     return AttentionRecipe(
-        name="sageattn3", q=NVFP4_RECIPROCAL, k=NVFP4_RECIPROCAL, v=NVFP4_RECIPROCAL,
-        p=NVFP4_DIVIDE_UNROUNDED, p_lift=448.0 * 6.0, smooth_k=SmoothK.PER_HEAD, smooth_q=True,
-        kv_order=KVOrder.REVERSE, block_m=128, block_n=128, backward_p=BackwardP.UNQUANTIZED_QK,
-        source="thu-ml/SageAttention sageattention3_blackwell/sageattn3 (api.py, softmax_fused.h, fp4_quantization_4d.cu)",
+        name="sageattn3",
+        q=NVFP4_RECIPROCAL,
+        k=NVFP4_RECIPROCAL,
+        v=NVFP4_RECIPROCAL,
+        p=NVFP4_DIVIDE_UNROUNDED,
+        p_lift=448.0 * 6.0,
+        smooth_k=SmoothK.PER_HEAD,
+        smooth_q=True,
+        kv_order=KVOrder.REVERSE,
+        block_m=128,
+        block_n=128,
+        backward_p=BackwardP.UNQUANTIZED_QK,
+        source="thu-ml/SageAttention sageattention3_blackwell/sageattn3 (api.py, softmax_fused.h, "
+        "fp4_quantization_4d.cu)",
     )
 
 
@@ -231,17 +280,31 @@ def SAGEATTN3_PAPER() -> AttentionRecipe:
     along the sequence, tiles, key/value order, the high-precision backward); the per-row
     factor is exact float32."""
     return AttentionRecipe(
-        name="sageattn3_paper", q=NVFP4_1LEVEL, k=NVFP4_1LEVEL, p=NVFP4_1LEVEL, v=NVFP4_1LEVEL,
-        p_quant=PQuant.ROW_SCALED, smooth_k=SmoothK.PER_HEAD, smooth_q=True,
-        kv_order=KVOrder.REVERSE, block_m=128, block_n=128, backward_p=BackwardP.UNQUANTIZED_QK,
+        name="sageattn3_paper",
+        q=NVFP4_1LEVEL,
+        k=NVFP4_1LEVEL,
+        p=NVFP4_1LEVEL,
+        v=NVFP4_1LEVEL,
+        p_quant=PQuant.ROW_SCALED,
+        smooth_k=SmoothK.PER_HEAD,
+        smooth_q=True,
+        kv_order=KVOrder.REVERSE,
+        block_m=128,
+        block_n=128,
+        backward_p=BackwardP.UNQUANTIZED_QK,
         source="arXiv 2505.11594, Sec. 3.2 (paper)",
     )
 
 
 # -- Attn-QAT ------------------------------------------------------------------------------------
 _ATTN_QAT_FORWARD = dict(
-    q=NVFP4_RECIPROCAL, k=NVFP4_RECIPROCAL, v=NVFP4_RECIPROCAL, p=NVFP4_RECIPROCAL,
-    block_axes=(("v", -1),), block_m=32, block_n=32,
+    q=NVFP4_RECIPROCAL,
+    k=NVFP4_RECIPROCAL,
+    v=NVFP4_RECIPROCAL,
+    p=NVFP4_RECIPROCAL,
+    block_axes=(("v", -1),),
+    block_m=32,
+    block_n=32,
 )
 
 
@@ -270,9 +333,14 @@ def ATTN_QAT() -> AttentionRecipe:
     correctly rounded; the GB10 (SM121) dV path and the separately distributed
     ``qat_attn`` package that patches the backward were not modelled (not public)."""
     return AttentionRecipe(
-        name="attn_qat", **_ATTN_QAT_FORWARD, dq_ds=BF16, dk_ds=BF16,
-        backward=BackwardMode.STRAIGHT_THROUGH, delta=DeltaSource.UNQUANTIZED_P_OUTPUT,
-        source="hao-ai-lab/FastVideo fastvideo/attention/backends/attn_qat_train.py, fastvideo-kernel triton_kernels/attn_qat_train.py",
+        name="attn_qat",
+        **_ATTN_QAT_FORWARD,
+        dq_ds=BF16,
+        dk_ds=BF16,
+        backward=BackwardMode.STRAIGHT_THROUGH,
+        delta=DeltaSource.UNQUANTIZED_P_OUTPUT,
+        source="hao-ai-lab/FastVideo fastvideo/attention/backends/attn_qat_train.py, "
+        "fastvideo-kernel triton_kernels/attn_qat_train.py",
     )
 
 
@@ -291,10 +359,19 @@ def ATTN_QAT_KERNEL() -> AttentionRecipe:
     Assumptions: the two-level P scale multiplies P by 2688 / rowmax before the block amax
     (the kernel scales the block amax / 6 by it), a float32-rounding-level difference."""
     return AttentionRecipe(
-        name="attn_qat_kernel", **{**_ATTN_QAT_FORWARD, "q": NVFP4_RECIPROCAL_2LEVEL,
-                                   "k": NVFP4_RECIPROCAL_2LEVEL, "v": NVFP4_RECIPROCAL_2LEVEL},
-        p_quant=PQuant.ROW_SCALED, smooth_k=SmoothK.GLOBAL, tensor_scope=TensorScope.TILE,
-        dq_ds=BF16, dk_ds=BF16, backward=BackwardMode.STRAIGHT_THROUGH,
+        name="attn_qat_kernel",
+        **{
+            **_ATTN_QAT_FORWARD,
+            "q": NVFP4_RECIPROCAL_2LEVEL,
+            "k": NVFP4_RECIPROCAL_2LEVEL,
+            "v": NVFP4_RECIPROCAL_2LEVEL,
+        },
+        p_quant=PQuant.ROW_SCALED,
+        smooth_k=SmoothK.GLOBAL,
+        tensor_scope=TensorScope.TILE,
+        dq_ds=BF16,
+        dk_ds=BF16,
+        backward=BackwardMode.STRAIGHT_THROUGH,
         source="hao-ai-lab/FastVideo fastvideo-kernel triton_kernels/attn_qat_train.py (defaults)",
     )
 
@@ -309,17 +386,31 @@ def ATTN_QAT_DROPIN() -> AttentionRecipe:
     Assumption: the paper's baseline forward is the released training forward (`attn_qat`);
     its code was not found as such."""
     return AttentionRecipe(
-        name="attn_qat_dropin", **_ATTN_QAT_FORWARD, backward_p=BackwardP.UNQUANTIZED_QK,
+        name="attn_qat_dropin",
+        **_ATTN_QAT_FORWARD,
+        backward_p=BackwardP.UNQUANTIZED_QK,
         source="arXiv 2603.00040 (baseline) with hao-ai-lab/FastVideo's forward",
     )
 
 
 # -- "Hardware-Aware FP4 FlashAttention-4" (MrHuff/fp4-fa4) ---------------------------------------
 _V509_BACKWARD = dict(
-    dv_p=FP8_E4M3FN, dv_p_lift=256.0, dv_do=FP8_E5M2_X4, dp_do=FP8_E5M2_X4, dp_v=FP8_E4M3_X4,
-    dq_ds=FP8_E4M3FN, dk_ds=FP8_E4M3FN, ds_lift=256.0, dq_k=FP8_E4M3_X4, dk_q=FP8_E4M3_X4,
-    backward_p=BackwardP.QUANTIZED_QK, ds_p=DsP.DV_OPERAND, delta=DeltaSource.QUANTIZED_DO,
+    dv_p=FP8_E4M3FN,
+    dv_p_lift=256.0,
+    dv_do=FP8_E5M2_X4,
+    dp_do=FP8_E5M2_X4,
+    dp_v=FP8_E4M3_X4,
+    dq_ds=FP8_E4M3FN,
+    dk_ds=FP8_E4M3FN,
+    ds_lift=256.0,
+    dq_k=FP8_E4M3_X4,
+    dk_q=FP8_E4M3_X4,
+    backward_p=BackwardP.QUANTIZED_QK,
+    ds_p=DsP.DV_OPERAND,
+    delta=DeltaSource.QUANTIZED_DO,
 )
+
+
 def _fa4_qk() -> dict:
     return dict(q=NVFP4_1LEVEL, k=NVFP4_1LEVEL, block_m=128, block_n=128, causal=True)
 
@@ -353,15 +444,23 @@ def FA4FP4_CAUSAL() -> AttentionRecipe:
     per-block path used here; the kernel's partly emulated exp2 (EX2_EMU_MASK) is modelled
     as exact; the backward's key-tile-major order changes only summation order."""
     return AttentionRecipe(
-        name="fa4fp4_causal", **_fa4_qk(), p=FP8_E4M3FN, v=FP8_E4M3_X4,
-        row_reference=RowReference.LAZY_MAX, lazy_rescale_log2=8.0, **_V509_BACKWARD,
+        name="fa4fp4_causal",
+        **_fa4_qk(),
+        p=FP8_E4M3FN,
+        v=FP8_E4M3_X4,
+        row_reference=RowReference.LAZY_MAX,
+        lazy_rescale_log2=8.0,
+        **_V509_BACKWARD,
         source="MrHuff/fp4-fa4 route causal_nvfp4_qk_fp8_pv_v509 (release/routes.json)",
     )
 
 
 def _fa4_mxfp4pv(name: str, **policy) -> AttentionRecipe:
     fields = dict(
-        p=MXFP4_ALPHA_CEIL, v=MXFP4_ALPHA_MSE, p_quant=PQuant.DIRECT, row_sum=RowSum.QUANTIZED_P,
+        p=MXFP4_ALPHA_CEIL,
+        v=MXFP4_ALPHA_MSE,
+        p_quant=PQuant.DIRECT,
+        row_sum=RowSum.QUANTIZED_P,
         backward_v=BackwardV.FORWARD,
         source="MrHuff/fp4-fa4 route causal_nvfp4_qk_safe_mxfp4_pv_v509 (release/routes.json)",
     )
@@ -402,8 +501,11 @@ def FA4FP4_CAUSAL_MXFP4PV() -> AttentionRecipe:
     Q1 self-max details were not traced; its first-tile row stabilisation
     (``stabilize_initial_causal_row``) applies without an anchor and is not modelled."""
     return _fa4_mxfp4pv(
-        "fa4fp4_causal_mxfp4pv", row_reference=RowReference.ANCHOR, anchor_keys=32,
-        anchor_margin=_ANCHOR_MARGIN, p_min_exponent=33 - 127,
+        "fa4fp4_causal_mxfp4pv",
+        row_reference=RowReference.ANCHOR,
+        anchor_keys=32,
+        anchor_margin=_ANCHOR_MARGIN,
+        p_min_exponent=33 - 127,
     )
 
 
@@ -420,7 +522,9 @@ def FA4FP4_CAUSAL_MXFP4PV_D64() -> AttentionRecipe:
     ``stabilize_initial_causal_row`` (rows of query tile 0 whose first-quarter exponent is at
     most the shift are rebased to their exact first-quarter maximum) is not modelled."""
     return _fa4_mxfp4pv(
-        "fa4fp4_causal_mxfp4pv_d64", p=MXFP4_ALPHA_HALF, row_reference=RowReference.ZERO,
+        "fa4fp4_causal_mxfp4pv_d64",
+        p=MXFP4_ALPHA_HALF,
+        row_reference=RowReference.ZERO,
         p_min_exponent=17 - 127,
     )
 
@@ -440,8 +544,12 @@ def FA4FP4_CAUSAL_MXFP4PV_FIXED() -> AttentionRecipe:
     route of MrHuff/fp4-fa4's ``release/routes.json``). The post was read in a third-party
     copy (sdrshn-nmbr/tpu-cake, ``matx/text/pages/future-leakage.md``)."""
     return _fa4_mxfp4pv(
-        "fa4fp4_causal_mxfp4pv_fixed", row_reference=RowReference.ANCHOR, anchor_keys=32,
-        anchor_margin=_ANCHOR_MARGIN, p_min_exponent=33 - 127, leakage_fix=True,
+        "fa4fp4_causal_mxfp4pv_fixed",
+        row_reference=RowReference.ANCHOR,
+        anchor_keys=32,
+        anchor_margin=_ANCHOR_MARGIN,
+        p_min_exponent=33 - 127,
+        leakage_fix=True,
         source="MrHuff/fp4-fa4's MXFP4 P/V route with MatX's future-leakage fix",
     )
 
@@ -462,7 +570,10 @@ def FA4FP4_CAUSAL_MXFP8PV() -> AttentionRecipe:
     third-party port were read); flashinfer's E8M0 rule for V was not read (OCP's floor rule
     here); the mode is a forward: the backward is `fa4fp4_causal`'s."""
     return AttentionRecipe(
-        name="fa4fp4_causal_mxfp8pv", **_fa4_qk(), p=MXFP8_E4M3_ALPHA_CEIL, v=MXFP8_E4M3,
+        name="fa4fp4_causal_mxfp8pv",
+        **_fa4_qk(),
+        p=MXFP8_E4M3_ALPHA_CEIL,
+        v=MXFP8_E4M3,
         **_V509_BACKWARD,
         source="hao-ai-lab/flash-attention-fp4 NVFP4+MXFP8 P/V mode; MrHuff/fp4-fa4 v509 backward",
     )
@@ -471,7 +582,8 @@ def FA4FP4_CAUSAL_MXFP8PV() -> AttentionRecipe:
 @_preset
 def FA4FP4_DIRECTP() -> AttentionRecipe:
     """Direct-P for non-causal inference, "Hardware-Aware FP4 FlashAttention-4"'s "fast"
-    policy (MrHuff/fp4-fa4 ``reproduction/snapshots/forward_cfc06dad/.../Makefile.hao_direct_fp4pv``,
+    policy (MrHuff/fp4-fa4
+    ``reproduction/snapshots/forward_cfc06dad/.../Makefile.hao_direct_fp4pv``,
     ``HAO_FP4PV_MX_POLICY=fast``).
 
     From the code: NVFP4 Q/K; a shiftless softmax (row reference 0); per 32 keys the
@@ -486,10 +598,20 @@ def FA4FP4_DIRECTP() -> AttentionRecipe:
     here is a high-precision FlashAttention backward from the quantized Q/K and the Direct-P
     log-sum-exp."""
     return AttentionRecipe(
-        name="fa4fp4_directp", q=NVFP4_1LEVEL, k=NVFP4_1LEVEL, p=MXFP4_ALPHA_HALF,
-        v=MXFP4_ALPHA_MSE, p_quant=PQuant.DIRECT, row_reference=RowReference.ZERO,
-        direct_p_affine=(1.50, 1.20), direct_p_affine_groups=0b1110, p_min_exponent=17 - 127,
-        row_sum=RowSum.QUANTIZED_P, block_m=128, block_n=128, causal=False,
+        name="fa4fp4_directp",
+        q=NVFP4_1LEVEL,
+        k=NVFP4_1LEVEL,
+        p=MXFP4_ALPHA_HALF,
+        v=MXFP4_ALPHA_MSE,
+        p_quant=PQuant.DIRECT,
+        row_reference=RowReference.ZERO,
+        direct_p_affine=(1.50, 1.20),
+        direct_p_affine_groups=0b1110,
+        p_min_exponent=17 - 127,
+        row_sum=RowSum.QUANTIZED_P,
+        block_m=128,
+        block_n=128,
+        causal=False,
         source="MrHuff/fp4-fa4 Direct-P fast policy (Makefile.hao_direct_fp4pv)",
     )
 
@@ -509,9 +631,14 @@ def CROISSATTN() -> AttentionRecipe:
     nearest); the backward rebuilds P from the quantized Q/K and the corrected
     log-sum-exp and takes D from the returned output."""
     return AttentionRecipe(
-        name="croissattn", q=NVFP4, k=NVFP4, p=NVFP4, v=NVFP4,
+        name="croissattn",
+        q=NVFP4,
+        k=NVFP4,
+        p=NVFP4,
+        v=NVFP4,
         **{f: NVFP4_SR for f in _BACKWARD_FIELDS},
-        row_sum=RowSum.QUANTIZED_P, backward_p=BackwardP.QUANTIZED_QK,
+        row_sum=RowSum.QUANTIZED_P,
+        backward_p=BackwardP.QUANTIZED_QK,
         source="CroissAttn talk (no public code)",
     )
 
@@ -527,16 +654,35 @@ def CROISSATTN_EDEN() -> AttentionRecipe:
     Assumptions: as `croissattn`'s; MS-EDEN's transform runs along each backward product's
     reduction axis in groups of 128, so the tiles and head_dim must be multiples of 128."""
     return AttentionRecipe(
-        name="croissattn_eden", q=NVFP4, k=NVFP4, p=NVFP4, v=NVFP4,
+        name="croissattn_eden",
+        q=NVFP4,
+        k=NVFP4,
+        p=NVFP4,
+        v=NVFP4,
         **{f: NVFP4_MS_EDEN for f in _BACKWARD_FIELDS},
-        row_sum=RowSum.QUANTIZED_P, backward_p=BackwardP.QUANTIZED_QK,
+        row_sum=RowSum.QUANTIZED_P,
+        backward_p=BackwardP.QUANTIZED_QK,
         source="CroissAttn talk with IST-DASLab/Quartet-II MS-EDEN",
     )
 
 
 PRESETS = (
-    EXACT, FLASH_BF16, FP8_PER_TENSOR, FA3_FP8, FA3_FP8_PAPER, SAGEATTN3, SAGEATTN3_PAPER,
-    ATTN_QAT, ATTN_QAT_KERNEL, ATTN_QAT_DROPIN, FA4FP4_CAUSAL, FA4FP4_CAUSAL_MXFP4PV,
-    FA4FP4_CAUSAL_MXFP4PV_D64, FA4FP4_CAUSAL_MXFP4PV_FIXED, FA4FP4_CAUSAL_MXFP8PV,
-    FA4FP4_DIRECTP, CROISSATTN, CROISSATTN_EDEN,
+    EXACT,
+    FLASH_BF16,
+    FP8_PER_TENSOR,
+    FA3_FP8,
+    FA3_FP8_PAPER,
+    SAGEATTN3,
+    SAGEATTN3_PAPER,
+    ATTN_QAT,
+    ATTN_QAT_KERNEL,
+    ATTN_QAT_DROPIN,
+    FA4FP4_CAUSAL,
+    FA4FP4_CAUSAL_MXFP4PV,
+    FA4FP4_CAUSAL_MXFP4PV_D64,
+    FA4FP4_CAUSAL_MXFP4PV_FIXED,
+    FA4FP4_CAUSAL_MXFP8PV,
+    FA4FP4_DIRECTP,
+    CROISSATTN,
+    CROISSATTN_EDEN,
 )

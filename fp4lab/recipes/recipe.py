@@ -31,8 +31,19 @@ from fp4lab.formats import (
 from fp4lab.recipes.operands import OPERAND_FIELDS, Product, operand
 
 __all__ = [
-    "PQuant", "RowReference", "RowSum", "KVOrder", "SmoothK", "TensorScope", "BackwardMode",
-    "BackwardP", "BackwardV", "DsP", "DeltaSource", "AttentionRecipe", "OperandSpec",
+    "PQuant",
+    "RowReference",
+    "RowSum",
+    "KVOrder",
+    "SmoothK",
+    "TensorScope",
+    "BackwardMode",
+    "BackwardP",
+    "BackwardV",
+    "DsP",
+    "DeltaSource",
+    "AttentionRecipe",
+    "OperandSpec",
     "resolve_recipe",
 ]
 
@@ -364,7 +375,11 @@ class AttentionRecipe:
         _check_int(self.p_min_exponent, "p_min_exponent", low=-127, optional=True)
         for field in ("lazy_rescale_log2", "anchor_margin"):
             value = getattr(self, field)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+            ):
                 raise ValueError(f"{field} must be a finite number, got {value!r}")
         if self.lazy_rescale_log2 < 0:
             raise ValueError(f"lazy_rescale_log2 must be >= 0, got {self.lazy_rescale_log2!r}")
@@ -379,14 +394,20 @@ class AttentionRecipe:
             if self.p_quant is not PQuant.DIRECT:
                 raise ValueError("direct_p_affine is only used with p_quant=direct")
             pair = tuple(self.direct_p_affine)
-            if len(pair) != 2 or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in pair):
-                raise ValueError(f"direct_p_affine must be two finite numbers (A, B), got {self.direct_p_affine!r}")
+            if len(pair) != 2 or not all(
+                isinstance(c, (int, float)) and math.isfinite(c) for c in pair
+            ):
+                raise ValueError(
+                    "direct_p_affine must be two finite numbers (A, B), got "
+                    f"{self.direct_p_affine!r}"
+                )
             object.__setattr__(self, "direct_p_affine", tuple(float(c) for c in pair))
         if self.p_quant is PQuant.SPEC:
             return
         if not isinstance(self.p, QuantSpec) or self.p.block is None or len(self.p.block) != 1:
             raise ValueError(
-                f"p_quant={self.p_quant.value} needs p to be a QuantSpec with 1-D blocks, got {self.p!r}"
+                f"p_quant={self.p_quant.value} needs p to be a QuantSpec with 1-D blocks, got "
+                f"{self.p!r}"
             )
         if self.p_quant is PQuant.ROW_SCALED and self.p.tensor_scale:
             raise ValueError(
@@ -395,7 +416,8 @@ class AttentionRecipe:
             )
         if self.p_quant is PQuant.DIRECT and self.p.element != FP4_E2M1:
             raise ValueError(
-                f"p_quant=direct maps scores to E2M1 codes: p.element must be FP4_E2M1, got {self.p.element.name}"
+                "p_quant=direct maps scores to E2M1 codes: p.element must be FP4_E2M1, got "
+                f"{self.p.element.name}"
             )
         if self.p_quant is PQuant.DIRECT and not self.p.scale_rule.alpha_grid:
             raise ValueError(
@@ -415,17 +437,27 @@ class AttentionRecipe:
                 f"{', '.join(set_fields)} must be None"
             )
         if self.backward is BackwardMode.FORWARD_EXACT:
-            wrong = [f"{name}={getattr(self, name).value}" for name, want in (
-                ("backward_p", BackwardP.QUANTIZED_QK), ("delta", DeltaSource.OUTPUT), ("ds_p", DsP.UNQUANTIZED),
-            ) if getattr(self, name) is not want]
+            wrong = [
+                f"{name}={getattr(self, name).value}"
+                for name, want in (
+                    ("backward_p", BackwardP.QUANTIZED_QK),
+                    ("delta", DeltaSource.OUTPUT),
+                    ("ds_p", DsP.UNQUANTIZED),
+                )
+                if getattr(self, name) is not want
+            ]
             if wrong:
                 raise ValueError(
-                    "backward=forward_exact is the exact gradient of the forward as it ran: it needs "
-                    f"backward_p=quantized_qk, delta=output, ds_p=unquantized; got {', '.join(wrong)}"
+                    "backward=forward_exact is the exact gradient of the forward as it ran: it "
+                    "needs "
+                    "backward_p=quantized_qk, delta=output, ds_p=unquantized; got "
+                    f"{', '.join(wrong)}"
                 )
         if self.backward is not BackwardMode.FLASH and self.backward_v is BackwardV.FORWARD:
-            raise ValueError(f"backward_v=forward is for backward=flash (backward={self.backward.value} "
-                             "uses the forward's V^ already)")
+            raise ValueError(
+                f"backward_v=forward is for backward=flash (backward={self.backward.value} "
+                "uses the forward's V^ already)"
+            )
 
     def _check_leakage_fix(self) -> None:
         if not self.leakage_fix:
@@ -442,9 +474,14 @@ class AttentionRecipe:
         (`BackwardMode.FORWARD_EXACT`), named ``<name>_forward_exact``: the reference the
         backward's bias is measured against."""
         return dataclasses.replace(
-            self, name=f"{self.name}_forward_exact", **{f: None for f in _BACKWARD_FIELDS},
-            backward=BackwardMode.FORWARD_EXACT, backward_p=BackwardP.QUANTIZED_QK,
-            backward_v=BackwardV.INPUT, ds_p=DsP.UNQUANTIZED, delta=DeltaSource.OUTPUT,
+            self,
+            name=f"{self.name}_forward_exact",
+            **{f: None for f in _BACKWARD_FIELDS},
+            backward=BackwardMode.FORWARD_EXACT,
+            backward_p=BackwardP.QUANTIZED_QK,
+            backward_v=BackwardV.INPUT,
+            ds_p=DsP.UNQUANTIZED,
+            delta=DeltaSource.OUTPUT,
             doc=f"The exact (straight-through) gradient of {self.name}'s forward.",
         )
 
@@ -482,9 +519,17 @@ class AttentionRecipe:
 
 
 _ENUM_FIELDS = {
-    "p_quant": PQuant, "row_reference": RowReference, "row_sum": RowSum, "kv_order": KVOrder,
-    "smooth_k": SmoothK, "tensor_scope": TensorScope, "backward": BackwardMode,
-    "backward_p": BackwardP, "backward_v": BackwardV, "ds_p": DsP, "delta": DeltaSource,
+    "p_quant": PQuant,
+    "row_reference": RowReference,
+    "row_sum": RowSum,
+    "kv_order": KVOrder,
+    "smooth_k": SmoothK,
+    "tensor_scope": TensorScope,
+    "backward": BackwardMode,
+    "backward_p": BackwardP,
+    "backward_v": BackwardV,
+    "ds_p": DsP,
+    "delta": DeltaSource,
 }
 
 
@@ -497,7 +542,8 @@ def _resolve_operand(value, field: str) -> OperandSpec:
         except ValueError as err:
             raise ValueError(f"{field}: {err}") from None
     raise TypeError(
-        f"{field} must be a QuantSpec, a FloatFormat, a registered name or None, got {type(value).__name__}"
+        f"{field} must be a QuantSpec, a FloatFormat, a registered name or None, got "
+        f"{type(value).__name__}"
     )
 
 
@@ -508,7 +554,9 @@ def _check_block_axes(pairs) -> tuple[tuple[str, int], ...]:
         raise ValueError(f"block_axes must be (field, axis) pairs, got {pairs!r}") from None
     for field, axis in pairs:
         if field not in OPERAND_FIELDS:
-            raise ValueError(f"block_axes: {field!r} is not an operand field ({', '.join(OPERAND_FIELDS)})")
+            raise ValueError(
+                f"block_axes: {field!r} is not an operand field ({', '.join(OPERAND_FIELDS)})"
+            )
         if axis not in (-1, -2):
             raise ValueError(f"block_axes: the axis of {field!r} must be -1 or -2, got {axis!r}")
     return pairs
@@ -518,7 +566,10 @@ def _check_int(value, field: str, *, low: int, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{field} must be an int of at least {low}{' or None' if optional else ''}, got {value!r}")
+        raise ValueError(
+            f"{field} must be an int of at least {low}{' or None' if optional else ''}, got "
+            f"{value!r}"
+        )
 
 
 def _check_positive(value, field: str) -> None:
@@ -536,11 +587,15 @@ def resolve_recipe(recipe: AttentionRecipe | str) -> AttentionRecipe:
     if isinstance(recipe, AttentionRecipe):
         return recipe
     if not isinstance(recipe, str):
-        raise TypeError(f"recipe must be an AttentionRecipe or a registered name, got {type(recipe).__name__}")
+        raise TypeError(
+            f"recipe must be an AttentionRecipe or a registered name, got {type(recipe).__name__}"
+        )
     try:
         obj = get(recipe, (AttentionRecipe, QuantSpec, FloatFormat))
     except ValueError as err:
         raise ValueError(f"recipe: {err}") from None
     if isinstance(obj, AttentionRecipe):
         return obj
-    return AttentionRecipe.uniform(recipe, obj, doc=f"{recipe} on every operand of all six products.")
+    return AttentionRecipe.uniform(
+        recipe, obj, doc=f"{recipe} on every operand of all six products."
+    )

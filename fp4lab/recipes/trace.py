@@ -41,8 +41,16 @@ import torch
 from fp4lab.recipes.operands import Product
 
 __all__ = [
-    "Trace", "TraceCall", "Column", "COLUMNS", "ID_COLUMNS", "OPERAND_COLUMNS",
-    "PRODUCT_COLUMNS", "OUT_COLUMNS", "STATISTICS", "column",
+    "Trace",
+    "TraceCall",
+    "Column",
+    "COLUMNS",
+    "ID_COLUMNS",
+    "OPERAND_COLUMNS",
+    "PRODUCT_COLUMNS",
+    "OUT_COLUMNS",
+    "STATISTICS",
+    "column",
 ]
 
 
@@ -65,26 +73,44 @@ class Column:
 
 
 COLUMNS = (
-    Column("call", "id", "call", "index of the attention call (one per SDPA call under patch_sdpa)"),
+    Column(
+        "call", "id", "call", "index of the attention call (one per SDPA call under patch_sdpa)"
+    ),
     Column("recipe", "id", "recipe", "the attention recipe's name"),
     Column("product", "id", "product", "qk, pv, dv, dp, dq, dk, or out for per-query-tile rows"),
-    Column("a_name", "id", "operand a", "short name of the product's left operand (q, k, v, p, do, ds)"),
+    Column(
+        "a_name", "id", "operand a", "short name of the product's left operand (q, k, v, p, do, ds)"
+    ),
     Column("b_name", "id", "operand b", "short name of the product's right operand"),
     Column("batch", "id", "batch", "batch index"),
     Column("head", "id", "head", "query head"),
     Column("kv_head", "id", "key/value head", "key/value head (query head // (H / Hkv))"),
     Column("q_tile", "id", "query tile", "query tile index (block_m rows)"),
     Column("k_tile", "id", "key tile", "key tile index (block_n rows); -1 on out rows"),
-    Column("err", "operand", "relative error of the operand tile", "||x^ - x||_F / ||x||_F (0 when both are zero)"),
-    Column("flushed", "operand", "fraction of nonzeros flushed to zero", "fraction of nonzero elements with x^ = 0"),
     Column(
-        "clipped", "operand", "fraction of nonzeros clipped",
+        "err",
+        "operand",
+        "relative error of the operand tile",
+        "||x^ - x||_F / ||x||_F (0 when both are zero)",
+    ),
+    Column(
+        "flushed",
+        "operand",
+        "fraction of nonzeros flushed to zero",
+        "fraction of nonzero elements with x^ = 0",
+    ),
+    Column(
+        "clipped",
+        "operand",
+        "fraction of nonzeros clipped",
         "fraction of nonzero elements whose magnitude exceeds the largest value representable "
         "in their block (element max x block scale x tensor scale), so that saturation, not "
         "rounding, set x^",
     ),
     Column(
-        "scale_underflow", "operand", "fraction of blocks whose scale underflowed",
+        "scale_underflow",
+        "operand",
+        "fraction of blocks whose scale underflowed",
         "fraction of the tile's blocks holding a nonzero element whose ideal scale, block amax "
         "/ (element max x tensor scale), lies below the scale format's smallest positive value "
         "(the block flushes or its scale is raised), beyond float32 rounding; a block of a "
@@ -92,26 +118,36 @@ COLUMNS = (
         "without block scales",
     ),
     Column(
-        "scale_overflow", "operand", "fraction of blocks whose scale overflowed",
+        "scale_overflow",
+        "operand",
+        "fraction of blocks whose scale overflowed",
         "as scale_underflow, above the scale format's largest value (the scale saturates and "
         "the block clips)",
     ),
-    Column("nan", "operand", "NaN elements of the quantized operand", "number of NaN elements of x^"),
     Column(
-        "p_mass_lost", "product", "probability mass flushed per query row",
+        "nan", "operand", "NaN elements of the quantized operand", "number of NaN elements of x^"
+    ),
+    Column(
+        "p_mass_lost",
+        "product",
+        "probability mass flushed per query row",
         "products with a P operand: probability mass whose P values were flushed to zero, in "
         "units of the final softmax probability, averaged over the tile's query rows (the "
         "forward normalises by the recipe's own log-sum-exp)",
     ),
     Column(
-        "p_fwd_mismatch", "product", "relative difference of the backward's P from the forward's",
+        "p_fwd_mismatch",
+        "product",
+        "relative difference of the backward's P from the forward's",
         "dv only: ||P_b - P_f||_F / ||P_f||_F, P_b the P that dV = P^T dO consumed (lift divided "
         "out), P_f the P^ the forward's P V consumed, replayed with the row references the "
         "forward used and normalized by its log-sum-exp (the weights the output gave each "
         "value row); 0 when the backward replays the forward",
     ),
     Column(
-        "prod_err", "product", "relative error of the product tile",
+        "prod_err",
+        "product",
+        "relative error of the product tile",
         "||y^ - y||_F / ||y||_F of the product tile y^ (quantized operands) against y, the same "
         "product on the unquantized operands of this product (its local error; errors arriving "
         "from earlier products show in the out rows). For qk and dp, whose operands are whole "
@@ -121,23 +157,36 @@ COLUMNS = (
         "elsewhere y is computed in reference_dtype over the entries the masks leave (the two "
         "routes differ at the 1e-7 level)",
     ),
-    Column("prod_nan", "product", "NaN elements of the product tile", "number of NaN elements of y^"),
     Column(
-        "row_sum_err", "out", "relative error of the softmax denominator",
+        "prod_nan", "product", "NaN elements of the product tile", "number of NaN elements of y^"
+    ),
+    Column(
+        "row_sum_err",
+        "out",
+        "relative error of the softmax denominator",
         "mean over the tile's rows of l^ / l - 1, the sum of the P values that P V consumed over "
         "the sum of the unquantized P (same scores, same row references)",
     ),
     Column(
-        "lse_err", "out", "absolute error of the log-sum-exp",
+        "lse_err",
+        "out",
+        "absolute error of the log-sum-exp",
         "mean |lse - lse_ref| of the recipe's log-sum-exp against the exact one in "
         "reference_dtype from the unquantized Q, K",
     ),
     Column(
-        "out_err", "out", "relative error of the output tile",
+        "out_err",
+        "out",
+        "relative error of the output tile",
         "||O - O_ref||_F / ||O_ref||_F of the output tile against exact attention in "
         "reference_dtype on the unquantized inputs",
     ),
-    Column("out_nan", "out", "NaN elements of the output tile", "number of NaN elements of the output tile"),
+    Column(
+        "out_nan",
+        "out",
+        "NaN elements of the output tile",
+        "number of NaN elements of the output tile",
+    ),
 )
 
 ID_COLUMNS = tuple(c.name for c in COLUMNS if c.kind == "id")
@@ -145,7 +194,9 @@ OPERAND_COLUMNS = tuple(c.name for c in COLUMNS if c.kind == "operand")
 PRODUCT_COLUMNS = tuple(c.name for c in COLUMNS if c.kind == "product")
 OUT_COLUMNS = tuple(c.name for c in COLUMNS if c.kind == "out")
 # every statistic, as named in the frame
-STATISTICS = tuple(f"{side}_{c}" for side in "ab" for c in OPERAND_COLUMNS) + PRODUCT_COLUMNS + OUT_COLUMNS
+STATISTICS = (
+    tuple(f"{side}_{c}" for side in "ab" for c in OPERAND_COLUMNS) + PRODUCT_COLUMNS + OUT_COLUMNS
+)
 _BY_NAME = {c.name: c for c in COLUMNS}
 
 
@@ -157,7 +208,9 @@ def column(name: str) -> Column:
         side = "left" if name[0] == "a" else "right"
         return Column(name, base.kind, f"{base.short} ({side} operand)", base.definition)
     if name not in _BY_NAME:
-        raise ValueError(f"{name!r} is not a trace column; the statistics are {', '.join(STATISTICS)}")
+        raise ValueError(
+            f"{name!r} is not a trace column; the statistics are {', '.join(STATISTICS)}"
+        )
     return _BY_NAME[name]
 
 
@@ -174,7 +227,10 @@ class Trace:
 
     def __init__(self, *, reference_dtype: torch.dtype | None = None) -> None:
         if reference_dtype not in (None, torch.float32, torch.float64):
-            raise ValueError(f"reference_dtype must be torch.float32, torch.float64 or None, got {reference_dtype}")
+            raise ValueError(
+                "reference_dtype must be torch.float32, torch.float64 or None, got "
+                f"{reference_dtype}"
+            )
         self.reference_dtype = reference_dtype
         self.calls: list[TraceCall] = []
 
@@ -212,7 +268,14 @@ class TraceCall:
     done: dict[Product, torch.Tensor] = field(default_factory=dict)
     out: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def add(self, product: Product, i0: int, j0: int, stats: dict[str, torch.Tensor], visible: torch.Tensor) -> None:
+    def add(
+        self,
+        product: Product,
+        i0: int,
+        j0: int,
+        stats: dict[str, torch.Tensor],
+        visible: torch.Tensor,
+    ) -> None:
         """Store a block's statistics: query tiles i0 .. i0 + n by key tiles j0 .. j0 + g,
         each (B, Hkv, G, n, g); `visible` (n, g) marks the tiles that count (the others, a
         causal mask's skipped tiles, never appear in the frame).
@@ -220,7 +283,10 @@ class TraceCall:
         Columns are kept stacked, (columns, B, Hkv, G, nQ, nK), so that one block costs
         one copy whatever the number of columns."""
         if product not in self.products:
-            self.products[product] = {"columns": [], "table": torch.empty((0, *self.dims), dtype=torch.float64)}
+            self.products[product] = {
+                "columns": [],
+                "table": torch.empty((0, *self.dims), dtype=torch.float64),
+            }
             self.done[product] = torch.zeros(self.dims[3:], dtype=torch.bool)
         entry = self.products[product]
         new = [name for name in stats if name not in entry["columns"]]
@@ -257,7 +323,12 @@ class TraceCall:
         b, h, g, nq, nk = self.dims
         shape = self.dims if with_k else self.dims[:4]
         grids = torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij")
-        index = {"batch": grids[0], "kv_head": grids[1], "head": grids[1] * g + grids[2], "q_tile": grids[3]}
+        index = {
+            "batch": grids[0],
+            "kv_head": grids[1],
+            "head": grids[1] * g + grids[2],
+            "q_tile": grids[3],
+        }
         index["k_tile"] = grids[4] if with_k else torch.full(shape, -1)
         return index
 
@@ -268,7 +339,9 @@ class TraceCall:
         columns.update({k: entry["table"][c][keep].numpy() for c, k in enumerate(entry["columns"])})
         frame = pd.DataFrame(columns)
         a_name, b_name = product.operand_names
-        return frame.assign(call=self.index, recipe=self.recipe, product=product.value, a_name=a_name, b_name=b_name)
+        return frame.assign(
+            call=self.index, recipe=self.recipe, product=product.value, a_name=a_name, b_name=b_name
+        )
 
     def _out_frame(self) -> pd.DataFrame:
         columns = {k: v.flatten().numpy() for k, v in self._index(False).items()}
