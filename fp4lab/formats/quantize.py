@@ -420,7 +420,7 @@ def _tensor_scales(amax: torch.Tensor, spec: QuantSpec, batch_dims: int):
         encode = torch.where(encode == 0, one, encode)
         return 1.0 / encode, encode
     if spec.arithmetic is ScaleArithmetic.RECIPROCAL:  # FastVideo: max(A, 1e-8)
-        encode = big / torch.clamp(tensor_amax, min=torch.tensor(1e-8, dtype=torch.float32))
+        encode = big / torch.clamp(tensor_amax, min=1e-8)  # fl(1e-8), as Triton's literal
         return 1.0 / encode, encode
     decode = tensor_amax / big
     return decode, one / decode
