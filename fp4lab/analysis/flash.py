@@ -62,13 +62,13 @@ import torch.nn.functional as F
 
 from fp4lab.analysis import allocator
 from fp4lab.analysis.checks import check_inputs, check_tiling, generator_for
+from fp4lab.analysis.context import CallConfig, Pass
 from fp4lab.analysis.observe import BackwardTrace, ForwardTrace, begin_trace
 from fp4lab.analysis.online_softmax import OnlineSoftmax, rescale_add
 from fp4lab.analysis.p_quant import quantize_p
 from fp4lab.analysis.quantizers import Quantized, quantize_field
 from fp4lab.analysis.streams import Draws, ZeroDraws
 from fp4lab.analysis.tiling import (
-    MaskTiles,
     TileBlock,
     Tiling,
     pairs,
@@ -84,30 +84,15 @@ from fp4lab.recipes import (
     BackwardV,
     DeltaSource,
     DsP,
-    KVOrder,
     RowReference,
     RowSum,
     SmoothK,
     Trace,
+    TraceCall,
     resolve_recipe,
 )
 
 __all__ = ["attention", "patch_sdpa", "tiles_for"]
-
-
-@dataclass(frozen=True)
-class CallConfig:
-    """What one attention call runs with."""
-
-    recipe: AttentionRecipe
-    causal: bool
-    scale: float  # softmax scale
-    block_m: int  # query tile
-    block_n: int  # key tile
-    generator: torch.Generator | None  # stochastic rounding's (None for deterministic recipes)
-    trace: Trace | None
-    attn_mask: torch.Tensor | None
-    seed: int | None = None  # the int seed the caller gave, if any (then the run reproduces)
 
 
 @dataclass
@@ -123,18 +108,16 @@ class Operands:
     v_plain: torch.Tensor | None = None  # unquantized V, for the leakage fix's diagonal blocks
 
 
-def _scores(ops: Operands, cfg: CallConfig, mask: MaskTiles | None, block: TileBlock):
+def _scores(ops: Operands, ps: Pass, block: TileBlock):
     """Scores of a block, before and after masking, and whether nothing in it is masked
     (then the trace need not mask its statistics)."""
-    i0, i1, j0, j1 = block.i0, block.i1, block.j0, block.j1
-    s = pairs(ops.q[:, :, :, i0:i1], ops.k[:, :, j0:j1]).mul_(
-        cfg.scale
-    )  # (B, Hkv, G, n, g, bm, bn)
+    i0, i1, j0, j1, scale = block.i0, block.i1, block.j0, block.j1, ps.cfg.scale
+    s = pairs(ops.q[:, :, :, i0:i1], ops.k[:, :, j0:j1]).mul_(scale)  # (B, Hkv, G, n, g, bm, bn)
     if ops.q_mean is not None:  # SageAttention2's correction term, in the working precision
-        s = s + cfg.scale * pairs(ops.q_mean[:, :, :, i0:i1], ops.k_plain[:, :, j0:j1])
-    masked = s if mask is None else mask.apply(s, block)
+        s = s + scale * pairs(ops.q_mean[:, :, :, i0:i1], ops.k_plain[:, :, j0:j1])
+    masked = s if ps.mask is None else ps.mask.apply(s, block)
     allowed = block.allowed(s.device)
-    unmasked = mask is None and bool(allowed.all())
+    unmasked = ps.mask is None and bool(allowed.all())
     return s, (masked if unmasked else masked.masked_fill(~allowed, -math.inf)), unmasked
 
 
@@ -155,16 +138,13 @@ class ForwardStep:
     skipped: torch.Tensor | None
 
 
-def _forward_step(
-    ops: Operands, sm: OnlineSoftmax, block: TileBlock, cfg: CallConfig, mask, draws, traced: bool
-) -> ForwardStep:
-    recipe = cfg.recipe
-    s_raw, s, unmasked = _scores(ops, cfg, mask, block)
+def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, ps: Pass) -> ForwardStep:
+    s_raw, s, unmasked = _scores(ops, ps, block)
     skipped = block.skipped(s.device)
     # -- update m_i --
     p, m_j, weights = sm.advance(s, block.t.reverse)
     # -- quantize P --
-    p_hat, diagonal = _forward_p(p, s, m_j, cfg, draws, traced, block)
+    p_hat, diagonal = _forward_p(p, s, m_j, ps, block)
     # -- update l_i and acc --
     v_j = ops.v[:, :, block.j0 : block.j1]
     if diagonal is None:
@@ -173,9 +153,8 @@ def _forward_step(
         pv = times_key(p_hat.values.masked_fill(diagonal, 0), v_j)
         pv += times_key(p.masked_fill(~diagonal, 0), ops.v_plain[:, :, block.j0 : block.j1])
     zero_skipped(pv, skipped)
-    rescale_add(
-        sm.l_i, weights, p_hat.values.sum(-1) if recipe.row_sum is RowSum.QUANTIZED_P else p.sum(-1)
-    )
+    consumed = ps.recipe.row_sum is RowSum.QUANTIZED_P
+    rescale_add(sm.l_i, weights, (p_hat.values if consumed else p).sum(-1))
     rescale_add(sm.acc, weights, pv)
     if sm.acc_prime is not None:  # Attn-QAT's O' = (P V^) / sum P
         rescale_add(sm.acc_prime, weights, zero_skipped(times_key(p, v_j), skipped))
@@ -183,11 +162,11 @@ def _forward_step(
     return ForwardStep(block, s_raw, s, unmasked, p, m_j, p_hat, pv, weights, skipped)
 
 
-def _forward_p(p, s, m_j, cfg: CallConfig, draws, traced: bool, block: TileBlock):
+def _forward_p(p, s, m_j, ps: Pass, block: TileBlock):
     """The P^ the forward's P V consumes, and the leakage fix's diagonal mask (or None):
     the recipe's quantizer of P, with P's diagonal blocks left unquantized by the fix."""
-    p_hat = quantize_p(p, s, m_j, cfg.recipe, draws, traced, (block.i0, block.j0))
-    diagonal = _diagonal_blocks(block, cfg, s.device)
+    p_hat = quantize_p(p, s, m_j, ps, (block.i0, block.j0))
+    diagonal = _diagonal_blocks(block, ps.cfg, s.device)
     if diagonal is not None:
         p_hat = Quantized(torch.where(diagonal, p, p_hat.values), p_hat.counts)
     return p_hat, diagonal
@@ -205,24 +184,15 @@ def _diagonal_blocks(block: TileBlock, cfg: CallConfig, device) -> torch.Tensor 
 
 
 # -- the forward -----------------------------------------------------------------------------
-def _forward_chunk(ops: Operands, cfg: CallConfig, t: Tiling, mask, chunk, draws, observer, m_ref):
+def _forward_chunk(ops: Operands, ps: Pass, chunk, observer, m_ref):
     """Query tiles [i0, i1) against the blocks of key tiles they see, in visiting order;
     returns (O, lse, O' or None) of the chunk and writes each tile's row reference into
     `m_ref` (B, Hkv, G, nQ, bm, nK) when given."""
     i0, i1, blocks = chunk
-    recipe = cfg.recipe
-    prime = recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT
-    shape = (t.B, t.Hk, t.G, i1 - i0, t.bm)
-    fixed_m = None
-    if recipe.row_reference is RowReference.ZERO:
-        fixed_m = ops.q.new_zeros(shape)
-    elif recipe.row_reference is RowReference.ANCHOR:
-        fixed_m = _anchor(ops, cfg, t, mask, i0, i1)
-    lazy = recipe.lazy_rescale_log2 if recipe.row_reference is RowReference.LAZY_MAX else None
-    sm = OnlineSoftmax.start(shape, ops.v.shape[-1], ops.q, prime, fixed_m, lazy)
+    sm = _online_softmax(ops, ps, i0, i1)
     watch = observer.chunk(i0, i1) if observer is not None else None
     for block in blocks:
-        step = _forward_step(ops, sm, block, cfg, mask, draws, watch is not None)
+        step = _forward_step(ops, sm, block, ps)
         if m_ref is not None:
             m_ref[:, :, :, i0:i1, :, block.j0 : block.j1] = step.m_j.transpose(-1, -2)
         if watch is not None:
@@ -230,43 +200,49 @@ def _forward_chunk(ops: Operands, cfg: CallConfig, t: Tiling, mask, chunk, draws
     o, lse = sm.finish()
     if watch is not None:
         watch.finish(o, lse)
-    return o, lse, (sm.finish(prime=True)[0] if prime else None)
+    return o, lse, (sm.finish(prime=True)[0] if sm.acc_prime is not None else None)
 
 
-def _anchor(ops: Operands, cfg: CallConfig, t: Tiling, mask, i0: int, i1: int) -> torch.Tensor:
+def _online_softmax(ops: Operands, ps: Pass, i0: int, i1: int) -> OnlineSoftmax:
+    """The running statistics of query tiles [i0, i1), with the recipe's row reference."""
+    recipe, t = ps.recipe, ps.t
+    shape = (t.B, t.Hk, t.G, i1 - i0, t.bm)
+    fixed_m = None
+    if recipe.row_reference is RowReference.ZERO:
+        fixed_m = ops.q.new_zeros(shape)
+    elif recipe.row_reference is RowReference.ANCHOR:
+        fixed_m = _anchor(ops, ps, i0, i1)
+    lazy = recipe.lazy_rescale_log2 if recipe.row_reference is RowReference.LAZY_MAX else None
+    prime = recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT
+    return OnlineSoftmax.start(shape, ops.v.shape[-1], ops.q, prime, fixed_m, lazy)
+
+
+def _anchor(ops: Operands, ps: Pass, i0: int, i1: int) -> torch.Tensor:
     """fp4-fa4's anchor row reference of query tiles [i0, i1): each row's largest score over
     its first `anchor_keys` keys (after the masks), plus the margin in scaled units; rows
     that see none of them get -inf (then the reference is 0)."""
-    s = _scores(ops, cfg, mask, TileBlock(t, i0, i1, 0, 1))[1]  # (B, Hkv, G, n, 1, bm, bn)
-    top = s[..., 0, :, : cfg.recipe.anchor_keys].amax(dim=-1)  # (B, Hkv, G, n, bm)
-    return top + cfg.recipe.anchor_margin * cfg.scale
+    s = _scores(ops, ps, TileBlock(ps.t, i0, i1, 0, 1))[1]  # (B, Hkv, G, n, 1, bm, bn)
+    top = s[..., 0, :, : ps.recipe.anchor_keys].amax(dim=-1)  # (B, Hkv, G, n, bm)
+    return top + ps.recipe.anchor_margin * ps.cfg.scale
 
 
-def _forward(q, k, v, cfg: CallConfig, t: Tiling, rec):
+def _forward(q, k, v, ps: Pass, rec):
     """FlashAttention-2's forward over query-tile chunks; returns (O, lse tiles, O' or None,
     saved tensors)."""
-    recipe, work = cfg.recipe, _work_dtype(q)
+    recipe, t, work = ps.recipe, ps.t, _work_dtype(q)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     q_src, q_mean = _smooth_q(qw, t) if recipe.smooth_q else (qw, None)
-    traced = rec is not None
-    draws = Draws(cfg.generator, t.bm, t.bn) if recipe.stochastic else None
     q_hat, k_hat, v_hat = (
-        quantize_field(x, recipe, field, draws, traced, tiling=t)
-        for x, field in ((q_src, "q"), (kw, "k"), (vw, "v"))
+        quantize_field(x, f, ps) for x, f in ((q_src, "q"), (kw, "k"), (vw, "v"))
     )
-    v_plain = t.k_tiles(vw) if recipe.leakage_fix and cfg.causal else None
+    v_plain = t.k_tiles(vw) if recipe.leakage_fix and ps.cfg.causal else None
     ops = Operands(
-        t.q_tiles(q_hat.values),
-        t.k_tiles(k_hat.values),
-        t.k_tiles(v_hat.values),
-        q_mean,
-        t.k_tiles(kw),
-        v_plain,
-    )
-    mask = MaskTiles(cfg.attn_mask, t) if cfg.attn_mask is not None else None
+        t.q_tiles(q_hat.values), t.k_tiles(k_hat.values), t.k_tiles(v_hat.values), q_mean,
+        t.k_tiles(kw), v_plain,
+    )  # fmt: skip
     observer = None
-    if traced:
-        observer = ForwardTrace(rec, t, ops, (qw, kw, vw), (q_src, q_hat, k_hat, v_hat), cfg, mask)
+    if rec is not None:
+        observer = ForwardTrace(rec, t, ops, (qw, kw, vw), (q_src, q_hat, k_hat, v_hat), ps)
     # outputs are written into tensors allocated up front: chunk results kept alive in a list
     # would pin malloc's heap above each block's temporaries and make it creep
     o = qw.new_empty(t.B, t.Hk, t.G, t.nQ, t.bm, v.shape[-1])
@@ -274,17 +250,29 @@ def _forward(q, k, v, cfg: CallConfig, t: Tiling, rec):
     o_prime = torch.empty_like(o) if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT else None
     # the row reference each key tile saw, for a backward that replays the forward's P^
     m_ref = None
-    if traced or recipe.backward is BackwardMode.FORWARD_EXACT:
+    if rec is not None or recipe.backward is BackwardMode.FORWARD_EXACT:
         m_ref = qw.new_zeros(t.B, t.Hk, t.G, t.nQ, t.bm, t.nK)
     for chunk in t.chunks():
         i0, i1 = chunk[0], chunk[1]
-        pieces = _forward_chunk(ops, cfg, t, mask, chunk, draws, observer, m_ref)
+        pieces = _forward_chunk(ops, ps, chunk, observer, m_ref)
         for whole, piece in zip((o, lse, o_prime), pieces, strict=True):
             if whole is not None:
                 whole[:, :, :, i0:i1] = piece
         del pieces
-    saved = (q_hat.values, k_hat.values, v_hat.values, q_mean, v_plain, m_ref)
-    return t.q_untile(o), lse, (t.q_untile(o_prime) if o_prime is not None else None), saved, draws
+    saved = Saved(q_hat.values, k_hat.values, v_hat.values, q_mean, m_ref, ps.draws)
+    return t.q_untile(o), lse, (t.q_untile(o_prime) if o_prime is not None else None), saved
+
+
+@dataclass
+class Saved:
+    """What the forward keeps for the backward besides its inputs and outputs."""
+
+    q_hat: torch.Tensor  # (B, H, Sq, D), Q^ (smoothed)
+    k_hat: torch.Tensor
+    v_hat: torch.Tensor
+    q_mean: torch.Tensor | None  # smooth_q's means, (B, Hkv, G, nQ, 1, D)
+    m_ref: torch.Tensor | None  # each key tile's row reference, (B, Hkv, G, nQ, bm, nK)
+    draws: Draws | None  # the forward's stochastic-rounding draws
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -317,21 +305,22 @@ class BackwardOperands:
 @dataclass
 class Replay:
     """What the backward needs to rebuild the P^ tiles the forward consumed: the forward's
-    score operands, each tile's row reference (B, Hkv, G, nQ, bm, nK) and its draws."""
+    score operands, each tile's row reference (B, Hkv, G, nQ, bm, nK), and the forward's
+    pass (its draws; no counts)."""
 
     scores: Operands
     m_ref: torch.Tensor
-    draws: Draws | None
+    forward: Pass
 
-    def p_hat(self, cfg: CallConfig, block: TileBlock, mask, lse_c, s=None) -> torch.Tensor:
+    def p_hat(self, block: TileBlock, lse_c, s=None) -> torch.Tensor:
         """The forward's P^ of a block normalized by its log-sum-exp: the weights its output
         gave each value row, (B, Hkv, G, n, g, bm, bn). `s`: the forward's masked scores if
         the caller has them."""
         if s is None:
-            s = _scores(self.scores, cfg, mask, block)[1]
+            s = _scores(self.scores, self.forward, block)[1]
         m_j = self.m_ref[:, :, :, block.i0 : block.i1, :, block.j0 : block.j1].transpose(-1, -2)
         p = (s - m_j.unsqueeze(-1)).exp_()  # (B, Hkv, G, n, g, bm, bn)
-        p_hat, _ = _forward_p(p, s, m_j, cfg, self.draws, False, block)
+        p_hat, _ = _forward_p(p, s, m_j, self.forward, block)
         return p_hat.values.mul_(torch.exp(m_j - lse_c).unsqueeze(-1))
 
 
@@ -355,144 +344,141 @@ class BackwardStep:
     dk: torch.Tensor  # each tile pair's dS^T Q, (..., n, g, bn, D)
 
 
-def _backward_step(
-    ops: BackwardOperands,
-    cfg: CallConfig,
-    block: TileBlock,
-    mask,
-    lse_c,
-    delta_c,
-    draws,
-    traced: bool,
-) -> BackwardStep:
-    recipe, i0, i1, j0, j1 = cfg.recipe, block.i0, block.i1, block.j0, block.j1
-    _, s, unmasked = _scores(ops.scores, cfg, mask, block)
+def _backward_step(ops: BackwardOperands, ps: Pass, block: TileBlock, rows) -> BackwardStep:
+    """One block of the backward; `rows` = (lse, D) of its query tiles, (B, Hkv, G, n, 1, bm)
+    and (B, Hkv, G, n, 1, bm, 1)."""
+    (lse_c, delta_c), recipe, at = rows, ps.recipe, (block.i0, block.j0)
+    i0, i1, j0, j1 = block.i0, block.i1, block.j0, block.j1
+    _, s, unmasked = _scores(ops.scores, ps, block)
     skipped = block.skipped(s.device)
     # -- rebuild P from the forward's lse --
     p = (s - lse_c.unsqueeze(-1)).exp_()
     p_fwd = None
     if ops.replay is not None:
-        same = ops.replay.scores is ops.scores
-        p_fwd = ops.replay.p_hat(cfg, block, mask, lse_c, s if same else None)
+        p_fwd = ops.replay.p_hat(block, lse_c, s if ops.replay.scores is ops.scores else None)
     if recipe.backward is BackwardMode.STRAIGHT_THROUGH:  # the forward's quantizer of P
-        p_dv = quantize_p(p, s, lse_c.expand(s.shape[:-1]), recipe, draws, traced, (i0, j0))
+        p_dv = quantize_p(p, s, lse_c.expand(s.shape[:-1]), ps, at)
     elif recipe.backward is BackwardMode.FORWARD_EXACT:
         p_dv = Quantized(p_fwd)
     else:
-        p_dv = quantize_field(p, recipe, "dv_p", draws, traced, (i0, j0))
+        p_dv = quantize_field(p, "dv_p", ps, at)
     # -- dV_j += P^T dO_i --
     dv = zero_skipped(t_times_query(p_dv.values, ops.do_dv[:, :, :, i0:i1]), skipped)
     # -- dS = P * (dP - D) --
     dp = pairs(ops.do_dp[:, :, :, i0:i1], ops.v_dp[:, :, j0:j1])
     ds = torch.sub(dp, delta_c).mul_(p_dv.values if recipe.ds_p is DsP.DV_OPERAND else p)
     # -- dQ_i += dS K_j, dK_j += dS^T Q_i --
-    ds_dq = quantize_field(ds, recipe, "dq_ds", draws, traced, (i0, j0))
+    ds_dq = quantize_field(ds, "dq_ds", ps, at)
     dq = zero_skipped(times_key(ds_dq.values, ops.k_dq[:, :, j0:j1]), skipped)
-    ds_dk = quantize_field(ds, recipe, "dk_ds", draws, traced, (i0, j0))
+    ds_dk = quantize_field(ds, "dk_ds", ps, at)
     dk = zero_skipped(t_times_query(ds_dk.values, ops.q_dk[:, :, :, i0:i1]), skipped)
     return BackwardStep(block, s, unmasked, lse_c, p, p_dv, dp, ds, ds_dq, ds_dk, p_fwd, dv, dq, dk)
 
 
 # -- the backward --------------------------------------------------------------------------------
-def _backward(do, q, k, v, o, lse, o_prime, saved, cfg: CallConfig, t: Tiling, rec, forward_draws):
+@dataclass
+class Forwarded:
+    """What the autograd Function keeps of the forward for the backward."""
+
+    inputs: tuple  # (q, k, v) as given to the Function
+    o: torch.Tensor  # the forward's output in the working precision, (B, H, Sq, Dv)
+    lse: torch.Tensor  # (B, Hkv, G, nQ, bm)
+    o_prime: torch.Tensor | None  # Attn-QAT's O'
+    saved: Saved
+    forward: Pass
+    rec: TraceCall | None
+
+
+def _backward(do, fwd: Forwarded):
     """FlashAttention-2's backward: dQ, dK, dV in the working precision."""
-    work = o.dtype
+    (q, k, v), t, cfg = fwd.inputs, fwd.forward.t, fwd.forward.cfg
+    work = fwd.o.dtype
     dow, qw, kw, vw = do.to(work), q.to(work), k.to(work), v.to(work)
-    draws = (
-        Draws(cfg.generator, t.bm, t.bn) if cfg.recipe.stochastic else None
-    )  # after the forward's
-    quant, ops = _backward_operands(
-        dow, qw, kw, vw, saved, cfg, t, draws, rec is not None, forward_draws
-    )
-    delta = t.q_tiles(_delta(cfg.recipe, dow, quant, o, o_prime, q.dtype))  # (B, Hkv, G, nQ, bm)
-    observer = BackwardTrace(rec, t, (qw, kw, vw, dow), quant) if rec is not None else None
+    ps = Pass.start(cfg, t, fwd.rec is not None)  # draws its key after the forward's
+    quant, ops = _backward_operands(dow, (qw, kw, vw), fwd, ps)
+    delta = t.q_tiles(_delta(cfg.recipe, dow, quant, fwd, q.dtype))  # (B, Hkv, G, nQ, bm)
+    observer = None
+    if fwd.rec is not None:
+        observer = BackwardTrace(fwd.rec, t, (qw, kw, vw, dow), quant)
     dk = qw.new_zeros(t.B, t.Hk, t.nK, t.bn, q.shape[-1])
     dv = qw.new_zeros(t.B, t.Hk, t.nK, t.bn, v.shape[-1])
     dq = qw.new_zeros(t.B, t.Hk, t.G, t.nQ, t.bm, q.shape[-1])
-    mask = MaskTiles(cfg.attn_mask, t) if cfg.attn_mask is not None else None
     for i0, i1, blocks in t.chunks():
-        lse_c = lse[:, :, :, i0:i1].unsqueeze(-2)  # (B, Hkv, G, n, 1, bm)
+        lse_c = fwd.lse[:, :, :, i0:i1].unsqueeze(-2)  # (B, Hkv, G, n, 1, bm)
         delta_c = delta[:, :, :, i0:i1, None, :, None]  # (B, Hkv, G, n, 1, bm, 1)
         for block in blocks:
-            step = _backward_step(
-                ops, cfg, block, mask, lse_c, delta_c, draws, observer is not None
-            )
+            step = _backward_step(ops, ps, block, (lse_c, delta_c))
             dv[:, :, block.j0 : block.j1] += step.dv.sum((2, 3))
             dq[:, :, :, i0:i1] += cfg.scale * step.dq.sum(4)
             dk[:, :, block.j0 : block.j1] += cfg.scale * step.dk.sum((2, 3))
             if observer is not None:
-                observer.step(step, ops)
+                observer.step(step)
     return t.q_untile(dq), t.k_untile(dk), t.k_untile(dv)
 
 
-def _delta(recipe: AttentionRecipe, do, quant: dict, o, o_prime, dtype) -> torch.Tensor:
+def _delta(recipe: AttentionRecipe, do, quant: dict, fwd: Forwarded, dtype) -> torch.Tensor:
     """D_i = rowsum(dO_i * O_i) with dO and O as `recipe.delta` says; the outputs as stored, in
     the inputs' dtype (a kernel stores O so)."""
     if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:
-        return (do * o_prime.to(dtype).to(do.dtype)).sum(-1)
-    o_stored = o.to(dtype).to(do.dtype)
+        return (do * fwd.o_prime.to(dtype).to(do.dtype)).sum(-1)
+    o_stored = fwd.o.to(dtype).to(do.dtype)
     if recipe.delta is DeltaSource.QUANTIZED_DO:
         return (quant["do_dp"].values * o_stored).sum(-1)
     return (do * o_stored).sum(-1)
 
 
-def _backward_operands(
-    do, q, k, v, saved, cfg: CallConfig, t: Tiling, draws, traced: bool, forward_draws
-):
+_TILER = {
+    "do_dv": "q_tiles",
+    "do_dp": "q_tiles",
+    "v_dp": "k_tiles",
+    "k_dq": "k_tiles",
+    "q_dk": "q_tiles",
+}
+
+
+def _backward_operands(do, inputs, fwd: Forwarded, ps: Pass):
     """The backward's whole-tensor operands quantized as `recipe.backward` says: the
     `Quantized` operands (for the trace) and their tiles."""
-    recipe = cfg.recipe
-    q_hat, k_hat, v_hat, q_mean, _, m_ref = saved
-    forward_scores = Operands(t.q_tiles(q_hat), t.k_tiles(k_hat), None, q_mean, t.k_tiles(k))
+    (q, k, v), recipe, t, saved = inputs, ps.recipe, ps.t, fwd.saved
+    forward_scores = Operands(
+        t.q_tiles(saved.q_hat), t.k_tiles(saved.k_hat), None, saved.q_mean, t.k_tiles(k)
+    )
     if recipe.backward_p is BackwardP.QUANTIZED_QK:
         scores = forward_scores
     else:
         scores = Operands(t.q_tiles(q), t.k_tiles(k), None, None, t.k_tiles(k))
-    replay = Replay(forward_scores, m_ref, forward_draws) if m_ref is not None else None
-    dos = {
-        name: quantize_field(do, recipe, field, draws, traced, tiling=t)
+    replay = None
+    if saved.m_ref is not None:
+        replay = Replay(forward_scores, saved.m_ref, fwd.forward.replace(counts=False))
+    quant = {
+        name: quantize_field(do, field, ps)
         for name, field in (("do_dv", "dv_do"), ("do_dp", "dp_do"))
     }
     if recipe.backward is BackwardMode.FLASH:
-        v_src = v_hat if recipe.backward_v is BackwardV.FORWARD else v
+        v_src = saved.v_hat if recipe.backward_v is BackwardV.FORWARD else v
         sources = {"v_dp": (v_src, "dp_v"), "k_dq": (k, "dq_k"), "q_dk": (q, "dk_q")}
-        quant = {
-            name: quantize_field(x, recipe, field, draws, traced, tiling=t)
-            for name, (x, field) in sources.items()
-        }
+        quant.update({name: quantize_field(x, f, ps) for name, (x, f) in sources.items()})
     else:  # straight through or exact: the forward's Q^ (with its mean added back), K^, V^
-        q_eff = (
-            q_hat
-            if q_mean is None
-            else q_hat + t.q_untile(q_mean.expand(*q_mean.shape[:4], t.bm, q_mean.shape[-1]))
-        )
-        quant = {
-            "v_dp": _forward_counts(v, v_hat, recipe, "v", traced, t),
-            "k_dq": _forward_counts(k, k_hat, recipe, "k", traced, t),
-            "q_dk": _forward_counts(q, q_eff, recipe, "q", traced, t),
+        q_eff = saved.q_hat
+        if saved.q_mean is not None:
+            mean = saved.q_mean.expand(*saved.q_mean.shape[:4], t.bm, saved.q_mean.shape[-1])
+            q_eff = q_eff + t.q_untile(mean)
+        forward = {
+            "v_dp": (v, saved.v_hat, "v"),
+            "k_dq": (k, saved.k_hat, "k"),
+            "q_dk": (q, q_eff, "q"),
         }
-    quant.update(dos)
-    tiler = {
-        "do_dv": t.q_tiles,
-        "do_dp": t.q_tiles,
-        "v_dp": t.k_tiles,
-        "k_dq": t.k_tiles,
-        "q_dk": t.q_tiles,
-    }
-    ops = BackwardOperands(
-        scores=scores, replay=replay, **{name: tiler[name](quant[name].values) for name in quant}
-    )
-    return quant, ops
+        quant.update({name: _forward_counts(*args, ps) for name, args in forward.items()})
+    tiles = {name: getattr(t, _TILER[name])(quant[name].values) for name in quant}
+    return quant, BackwardOperands(scores=scores, replay=replay, **tiles)
 
 
-def _forward_counts(
-    x, x_hat, recipe: AttentionRecipe, field: str, traced: bool, t: Tiling
-) -> Quantized:
+def _forward_counts(x, x_hat, field: str, ps: Pass) -> Quantized:
     """The forward's quantized operand, with its trace counts recomputed (with zero draws:
     the counts never depend on stochastic rounding's draws)."""
-    if not traced:
+    if not ps.counts:
         return Quantized(x_hat)
-    return Quantized(x_hat, quantize_field(x, recipe, field, ZeroDraws(), True, tiling=t).counts)
+    return Quantized(x_hat, quantize_field(x, field, ps.replace(draws=ZeroDraws())).counts)
 
 
 # -- the autograd Function ---------------------------------------------------------------------
@@ -501,36 +487,25 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cfg: CallConfig):
-        t = Tiling(
-            B=q.shape[0],
-            H=q.shape[1],
-            Hk=k.shape[1],
-            Sq=q.shape[2],
-            Sk=k.shape[2],
-            bm=cfg.block_m,
-            bn=cfg.block_n,
-            causal=cfg.causal,
-            reverse=cfg.recipe.kv_order is KVOrder.REVERSE,
-        )
+        t = cfg.tiling(q, k)
         scores = t.B * t.H * t.Sq * t.Sk
         allocator.settle(q.device, scores)
         rec = begin_trace(cfg, t, q, v)
-        o, lse, o_prime, saved, draws = _forward(q, k, v, cfg, t, rec)
+        ps = Pass.start(cfg, t, rec is not None)
+        o, lse, o_prime, saved = _forward(q, k, v, ps, rec)
         allocator.trim(q.device, scores)
-        ctx.save_for_backward(q, k, v, o, lse, o_prime, *saved)
-        ctx.cfg, ctx.tiling, ctx.rec, ctx.forward_draws = cfg, t, rec, draws
+        ctx.forwarded = Forwarded((q, k, v), o, lse, o_prime, saved, ps, rec)
         return o.to(q.dtype, copy=True)  # not a view of o: a caller may modify it in place
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        t = ctx.tiling
+        fwd = ctx.forwarded
+        q, k, v = fwd.inputs
+        t = fwd.forward.t
         scores = t.B * t.H * t.Sq * t.Sk
         allocator.settle(do.device, scores)
-        q, k, v, o, lse, o_prime, *saved = ctx.saved_tensors
-        dq, dk, dv = _backward(
-            do, q, k, v, o, lse, o_prime, saved, ctx.cfg, t, ctx.rec, ctx.forward_draws
-        )
+        dq, dk, dv = _backward(do, fwd)
         allocator.trim(do.device, scores)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 

@@ -66,9 +66,9 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 class ForwardTrace:
     """The forward's observer: whole-operand statistics, then a `ChunkTrace` per chunk."""
 
-    def __init__(self, rec: TraceCall, t: Tiling, ops, inputs, quantized, cfg, mask):
+    def __init__(self, rec: TraceCall, t: Tiling, ops, inputs, quantized, ps):
         (qw, kw, vw), (q_src, q_hat, k_hat, v_hat) = inputs, quantized
-        self.rec, self.t, self.ops, self.scale, self.mask = rec, t, ops, cfg.scale, mask
+        self.rec, self.t, self.ops, self.scale, self.mask = rec, t, ops, ps.cfg.scale, ps.mask
         self.stats = {
             "q": whole_stats(q_src, q_hat, t.q_tiles),
             "k": whole_stats(kw, k_hat, t.k_tiles),
@@ -194,7 +194,7 @@ class BackwardTrace:
             t.q_tiles(dow.to(ref)),
         )
 
-    def step(self, st, ops) -> None:
+    def step(self, st) -> None:
         """Record one block (a `flash.BackwardStep`)."""
         block, st_ = st.block, self.stats
         i0, i1, j0, j1 = block.i0, block.i1, block.j0, block.j1

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from fp4lab.analysis.context import Pass
 from fp4lab.analysis.quantizers import Quantized, quantize_field, quantize_operand, stochastic
 from fp4lab.formats import ScaleRule, round_to_format
 from fp4lab.recipes import AttentionRecipe, PQuant
@@ -24,14 +25,15 @@ __all__ = ["quantize_p"]
 _LOG2E = math.log2(math.e)
 
 
-def quantize_p(p, s, m_row, recipe: AttentionRecipe, draws, counts: bool, at) -> Quantized:
-    """P^ from P = exp(S - m_row) as `recipe.p_quant` says, for a block of tiles
-    (..., bm, bn) whose first tile is `at`; S are the scores, m_row (..., bm)."""
+def quantize_p(p, s, m_row, ps: Pass, at: tuple[int, int]) -> Quantized:
+    """P^ from P = exp(S - m_row) as the pass's recipe's `p_quant` says, for a block of
+    tiles (..., bm, bn) whose first tile is `at`; S are the scores, m_row (..., bm)."""
+    recipe = ps.recipe
     if recipe.p_quant is PQuant.SPEC:
-        return quantize_field(p, recipe, "p", draws, counts, at)
+        return quantize_field(p, "p", ps, at)
     if recipe.p_quant is PQuant.ROW_SCALED:
-        return _row_scaled_p(p, recipe, draws, counts, at)
-    return _direct_p(s, m_row, recipe, counts)
+        return _row_scaled_p(p, recipe, ps.draws, ps.counts, at)
+    return _direct_p(s, m_row, recipe, ps.counts)
 
 
 def _row_scaled_p(p, recipe: AttentionRecipe, draws, counts: bool, at) -> Quantized:

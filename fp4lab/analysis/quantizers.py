@@ -8,7 +8,7 @@ a tensor scale of its spec per tile, as a fused kernel must, where a whole tenso
 dO) takes it over the whole tensor. With ``counts=True`` it also returns what the trace
 counts: clipped elements and the blocks whose scale left its format's range.
 
-`quantize_field(x, recipe, field, ...)` applies this to the recipe's operand `field` with the
+`quantize_field(x, field, ps)` applies this to the pass's recipe's operand `field` with the
 facts of the operand table (`fp4lab.recipes.operands`): its axis, per tile or not, its lift.
 """
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fp4lab.analysis.context import Pass
 from fp4lab.analysis.tile_stats import exact_count
-from fp4lab.analysis.tiling import Tiling
 from fp4lab.formats import FloatFormat, QuantSpec, Rounding, quantize_blocks, round_to_format
-from fp4lab.recipes import AttentionRecipe, Seq, TensorScope, operand
+from fp4lab.recipes import Seq, TensorScope, operand
 
 __all__ = ["Quantized", "quantize_operand", "quantize_field", "stochastic"]
 
@@ -89,35 +89,28 @@ def quantize_operand(
     return Quantized(values, found)
 
 
-def quantize_field(
-    x,
-    recipe: AttentionRecipe,
-    field: str,
-    draws,
-    counts: bool,
-    at=None,
-    tiling: Tiling | None = None,
-) -> Quantized:
-    """Operand `field` of `recipe`, along its blocks' axis (`AttentionRecipe.block_axis`); a
-    stochastic spec rounds with `draws` (a `streams.Draws`) at the operand's position: a tile
-    tensor's first (query tile, key tile) `at`, or a whole tensor (B, H, S, E), whose tensor
-    scale is taken as `recipe.tensor_scope` says, over the call's `tiling`: per tile of its
-    side's rows, or per (batch, KV head) (a query-side tensor's G heads of a group share it)."""
+def quantize_field(x, field: str, ps: Pass, at: tuple[int, int] | None = None) -> Quantized:
+    """Operand `field` of the pass's recipe, along its blocks' axis
+    (`AttentionRecipe.block_axis`). A stochastic format rounds with the pass's draws at the
+    operand's position: a block of tiles whose first (query tile, key tile) is `at`, or a
+    whole tensor (B, H, S, E), whose tensor scale is taken as the recipe's `tensor_scope`
+    says, over the pass's tiling: per tile of its side's rows, or per (batch, KV head) (a
+    query-side tensor's G heads of a group share it)."""
+    recipe = ps.recipe
     spec, op, axis = getattr(recipe, field), operand(field), recipe.block_axis(field)
-    noise = draws.for_operand(field, x, at) if stochastic(spec) else None
+    noise = ps.draws.for_operand(field, x, at) if stochastic(spec) else None
     lift = getattr(recipe, op.lift) if op.lift else 1.0
+    counts = ps.counts
     if op.per_tile or recipe.tensor_scope is TensorScope.TENSOR:
         return quantize_operand(
             x, spec, axis=axis, per_tile=op.per_tile, lift=lift, counts=counts, noise=noise
         )
     query_side = op.seq is Seq.QUERY
     if recipe.tensor_scope is TensorScope.HEAD:
-        return _quantize_per_group(
-            x, spec, axis, tiling.G if query_side else 1, lift, counts, noise
-        )
-    return _quantize_in_tiles(
-        x, spec, axis, tiling.bm if query_side else tiling.bn, lift, counts, noise
-    )
+        groups = ps.t.G if query_side else 1
+        return _quantize_per_group(x, spec, axis, groups, lift, counts, noise)
+    rows = ps.t.bm if query_side else ps.t.bn
+    return _quantize_in_tiles(x, spec, axis, rows, lift, counts, noise)
 
 
 def _quantize_per_group(
