@@ -66,7 +66,9 @@ def _torchao_nvfp4(name: str, tensor_scale: bool) -> QuantSpec:
 
 def _per_tensor(name: str, element) -> QuantSpec:
     """One float32 scale fl(A / M_e) for the whole tensor."""
-    return QuantSpec(name=name, element=element, scale=FP32, block=None, scale_rule=ScaleRule.NEAREST)
+    return QuantSpec(
+        name=name, element=element, scale=FP32, block=None, scale_rule=ScaleRule.NEAREST
+    )
 
 
 # -- OCP MX ------------------------------------------------------------------------------------

@@ -73,10 +73,14 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, bits: int, shape, dtype: torch.dtype = torch.uint8):
     """Inverse of `pack_codes`: codes of the given shape (dtype: the format's code_dtype)."""
     if packed.dtype != torch.uint8 or packed.ndim != 1:
-        raise ValueError(f"packed must be a 1-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
+        raise ValueError(
+            f"packed must be a 1-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}"
+        )
     n = int(np.prod(shape)) if len(shape) else 1
     if packed.numel() * 8 < n * bits:
-        raise ValueError(f"packed holds {packed.numel()} bytes, too few for {n} codes of {bits} bits")
+        raise ValueError(
+            f"packed holds {packed.numel()} bytes, too few for {n} codes of {bits} bits"
+        )
     p = packed.to(torch.int64)
     if bits == 8:
         c = p[:n]
@@ -95,7 +99,9 @@ def to_torch(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
         raise ValueError(f"torch has no dtype with the layout of {fmt.name}")
     if fmt.bits == 4:
         if codes.shape[-1] % 2:
-            raise ValueError(f"float4_e2m1fn_x2 packs pairs: the last dim must be even, got {codes.shape[-1]}")
+            raise ValueError(
+                f"float4_e2m1fn_x2 packs pairs: the last dim must be even, got {codes.shape[-1]}"
+            )
         c = codes.to(torch.uint8)
         return (c[..., 0::2] | (c[..., 1::2] << 4)).view(dtype)
     container = {8: torch.uint8, 16: torch.int16, 32: torch.int32}[fmt.bits]

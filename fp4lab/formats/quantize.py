@@ -1,4 +1,5 @@
-"""Block quantization: `quantize` to codes and scales, `QuantizedTensor.dequantize`, `fake_quantize`.
+"""Block quantization: `quantize` to codes and scales, `QuantizedTensor.dequantize`,
+`fake_quantize`.
 
 The pipeline, for a `QuantSpec` and a tensor x:
 
@@ -152,7 +153,8 @@ def quantize(
     """
     spec = resolve_spec(spec)
     blocked = quantize_blocks(
-        x, spec, axis=axis, rounding=rounding, generator=generator, batch_dims=batch_dims, noise=noise
+        x, spec, axis=axis, rounding=rounding, generator=generator, batch_dims=batch_dims,
+        noise=noise,
     )
     layout = blocked.layout
     codes = layout.from_blocks(spec.element.encode(blocked.values))
@@ -281,10 +283,11 @@ def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.max_pool1d(rows, blocks.shape[-1]).view(blocks.shape[:-1])
 
 
-def _fake_quantize(x, spec: QuantSpec, axis, rounding, generator, batch_dims, noise=None) -> torch.Tensor:
+def _fake_quantize(x, spec: QuantSpec, axis, rounding, generator, batch_dims, noise=None):
     """quantize(...).dequantize(x.dtype) without building codes: the same float32 products."""
     blocked = quantize_blocks(
-        x, spec, axis=axis, rounding=rounding, generator=generator, batch_dims=batch_dims, noise=noise
+        x, spec, axis=axis, rounding=rounding, generator=generator, batch_dims=batch_dims,
+        noise=noise,
     )
     return blocked.dequantize(x.dtype)
 
@@ -475,21 +478,32 @@ def _normalize_axis(axis: int, ndim: int, spec: QuantSpec, batch_dims: int = 0) 
     if not isinstance(axis, int) or isinstance(axis, bool):
         raise TypeError(f"axis must be an int, got {axis!r}")
     if not isinstance(batch_dims, int) or not 0 <= batch_dims <= ndim:
-        raise ValueError(f"batch_dims must be an int in [0, {ndim}] for x with {ndim} dims, got {batch_dims!r}")
+        raise ValueError(
+            f"batch_dims must be an int in [0, {ndim}] for x with {ndim} dims, got {batch_dims!r}"
+        )
     if spec.block is not None and batch_dims and batch_dims > ndim - len(spec.block):
-        raise ValueError(f"batch_dims={batch_dims} leaves no dims for the blocks {spec.block} of x with {ndim} dims")
+        raise ValueError(
+            f"batch_dims={batch_dims} leaves no dims for the blocks {spec.block} of x with "
+            f"{ndim} dims"
+        )
     if ndim == 0 and spec.block is None:
         return 0
     if not -ndim <= axis < ndim:
         raise ValueError(f"axis={axis} is out of range for x with {ndim} dims")
     axis = axis % ndim
     if spec.block is not None and len(spec.block) == 1 and axis < batch_dims:
-        raise ValueError(f"axis={axis} is one of the batch_dims={batch_dims}: blocks never span tensors")
+        raise ValueError(
+            f"axis={axis} is one of the batch_dims={batch_dims}: blocks never span tensors"
+        )
     if spec.block is not None and len(spec.block) == 2:
         if ndim < 2:
-            raise ValueError(f"spec {spec.name} has 2-D blocks {spec.block}: x needs at least 2 dims, has {ndim}")
+            raise ValueError(
+                f"spec {spec.name} has 2-D blocks {spec.block}: x needs at least 2 dims, has {ndim}"
+            )
         if axis < ndim - 2:
-            raise ValueError(f"axis={axis}: 2-D blocks cover the last two dims of x, so axis must be one of them")
+            raise ValueError(
+                f"axis={axis}: 2-D blocks cover the last two dims of x, so axis must be one of them"
+            )
     return axis
 
 
@@ -513,7 +527,8 @@ class _Layout:
         """The decode scale as a 0-dim tensor, or batch shape + size-1 dims (x's rank)."""
         if self.batch_dims == 0:
             return decode.reshape(())
-        return decode.reshape(*self.shape[: self.batch_dims], *[1] * (len(self.shape) - self.batch_dims))
+        rest = len(self.shape) - self.batch_dims
+        return decode.reshape(*self.shape[: self.batch_dims], *[1] * rest)
 
 
 class _PerTensor(_Layout):

@@ -2,7 +2,8 @@
 
 Anything with a ``name`` attribute can be registered: `FloatFormat`, `QuantSpec`, and the
 analysis layer's `AttentionRecipe`. A user's own object registered here is found by name
-everywhere a preset is: in `quantize`, in attention recipes and in the CLI (and, once they exist, the kernels).
+everywhere a preset is: in `quantize`, in attention recipes and in the CLI (and, once they
+exist, the kernels).
 """
 
 from __future__ import annotations

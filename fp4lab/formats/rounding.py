@@ -133,7 +133,9 @@ def _fast_path_applies(x, fmt: FloatFormat, rounding: Rounding, saturate: bool) 
     )
 
 
-def _round_float32(x: torch.Tensor, fmt: FloatFormat, rounding: Rounding, u=None, sr_bits=None) -> torch.Tensor:
+def _round_float32(
+    x: torch.Tensor, fmt: FloatFormat, rounding: Rounding, u=None, sr_bits=None
+) -> torch.Tensor:
     """The same rounding as the float64 path, on float32, for speed. Masking x's bits down to
     its exponent field gives 2^e as a float (0 for subnormals, inf for inf/NaN); clamping that
     to [2^emin, 2^(emax+1)] and scaling by 2^-mbits gives the quantum 2^q. Dividing by it,
@@ -203,7 +205,9 @@ def _round_integer(y, rounding, generator, sr_bits, noise) -> torch.Tensor:
 def _uniforms(y, generator, noise) -> torch.Tensor:
     if noise is not None:
         if noise.shape != y.shape:
-            raise ValueError(f"noise must have x's shape {tuple(y.shape)}, got {tuple(noise.shape)}")
+            raise ValueError(
+                f"noise must have x's shape {tuple(y.shape)}, got {tuple(noise.shape)}"
+            )
         return noise.to(device=y.device, dtype=torch.float64)
     gen = as_generator(generator)
     if gen is None:

@@ -251,19 +251,26 @@ class QuantSpec:
                 object.__setattr__(self, "block", (self.block,))
             ok = isinstance(self.block, tuple) and len(self.block) in (1, 2)
             if not ok or not all(isinstance(b, int) and b >= 1 for b in self.block):
-                raise ValueError(f"block must be None, (n,) or (r, c) of positive ints, got {self.block!r}")
-        object.__setattr__(self, "scale_rule", parse_enum(ScaleRule, self.scale_rule, "scale_rule"))
-        object.__setattr__(self, "arithmetic", parse_enum(ScaleArithmetic, self.arithmetic, "arithmetic"))
+                raise ValueError(
+                    f"block must be None, (n,) or (r, c) of positive ints, got {self.block!r}"
+                )
+        for field, kind in (
+            ("scale_rule", ScaleRule), ("arithmetic", ScaleArithmetic), ("correction", Correction)
+        ):
+            object.__setattr__(self, field, parse_enum(kind, getattr(self, field), field))
         object.__setattr__(self, "rounding", Rounding.parse(self.rounding))
         if self.hadamard is not None and self.hadamard not in (2, 4, 8, 16, 32, 64, 128, 256):
-            raise ValueError(f"hadamard must be a power of two in [2, 256] or None, got {self.hadamard!r}")
+            raise ValueError(
+                f"hadamard must be a power of two in [2, 256] or None, got {self.hadamard!r}"
+            )
         if self.hadamard is not None and self.block is not None and len(self.block) == 2:
-            raise ValueError("hadamard is applied along one axis; it does not combine with 2-D blocks")
+            raise ValueError(
+                "hadamard is applied along one axis; it does not combine with 2-D blocks"
+            )
         if self.sr_bits is not None and not 1 <= self.sr_bits <= 52:
             raise ValueError(f"sr_bits must be in [1, 52] or None, got {self.sr_bits!r}")
         if self.scale_floor is not None and not self.scale_floor > 0:
             raise ValueError(f"scale_floor must be positive or None, got {self.scale_floor!r}")
-        object.__setattr__(self, "correction", parse_enum(Correction, self.correction, "correction"))
         self._check_alpha_grid()
         self._check_fixed_scale()
         self._check_correction()
@@ -302,7 +309,9 @@ class QuantSpec:
             return
         c = self.amax_target
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf"):
-            raise ValueError(f"correction=eden needs amax_target, a positive finite float, got {c!r}")
+            raise ValueError(
+                f"correction=eden needs amax_target, a positive finite float, got {c!r}"
+            )
         ok = (
             self.block is not None and len(self.block) == 1 and self.tensor_scale
             and self.scale_rule is ScaleRule.NEAREST and self.arithmetic is ScaleArithmetic.EXACT

@@ -17,7 +17,8 @@ def formats_frame() -> pd.DataFrame:
     for name in names(FloatFormat):
         f = get(name)
         rows.append({
-            "name": name, "bits": f.bits, "layout": f"{'S' if f.signed else 'U'}E{f.ebits}M{f.mbits}",
+            "name": name, "bits": f.bits,
+            "layout": f"{'S' if f.signed else 'U'}E{f.ebits}M{f.mbits}",
             "bias": f.bias, "specials": f.specials.value, "max": f.max, "min_normal": f.min_normal,
             "min_subnormal": f.min_subnormal,
         })
@@ -59,5 +60,6 @@ def to_markdown(frame: pd.DataFrame) -> str:
         return f"{v:.6g}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    rows = frame.itertuples(index=False)
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)

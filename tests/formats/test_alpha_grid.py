@@ -87,7 +87,8 @@ def test_codes_are_the_kernels_multiply_and_cvt(rule, dtype):
     the kernel's multiplier from its E8M0 code, BF16 amax bits read as the kernel reads them.
     (For float32 input the float32 amax is rounded to BF16 first: that is the kernel's input.)"""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(512, 64, generator=gen) * torch.exp2(torch.randint(-30, 30, (512, 1), generator=gen).float())
+    binades = torch.randint(-30, 30, (512, 1), generator=gen).float()
+    x = torch.randn(512, 64, generator=gen) * torch.exp2(binades)
     x = x.to(torch.bfloat16).to(dtype)
     q = quantize(x, one_d(rule))
     blocks = x.float().reshape(512, 2, 32)
@@ -153,8 +154,10 @@ def test_rte_2d_tiles_take_the_tile_amax():
     q = quantize(x, "mxfp4_alpha_rte_2d")
     assert q.scales.shape == (2, 3)
     tile_amax = x.reshape(2, 32, 3, 32).abs().amax((1, 3))
-    assert torch.equal(q.scales, quantize(tile_amax.reshape(6, 1), one_d(ScaleRule.ALPHA_RTE)).scales.reshape(2, 3))
-    assert torch.equal(fake_quantize(x.T, "mxfp4_alpha_rte_2d"), fake_quantize(x, "mxfp4_alpha_rte_2d").T)
+    by_amax = quantize(tile_amax.reshape(6, 1), one_d(ScaleRule.ALPHA_RTE)).scales
+    assert torch.equal(q.scales, by_amax.reshape(2, 3))
+    name = "mxfp4_alpha_rte_2d"
+    assert torch.equal(fake_quantize(x.T, name), fake_quantize(x, name).T)
 
 
 @pytest.mark.parametrize(

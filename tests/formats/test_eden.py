@@ -72,7 +72,8 @@ def test_hand_computed_blocks():
     x[0, :4] = torch.tensor([6.0, 2.6, 1.2, 0.7])
     x[0, 16:18] = torch.tensor([3.0, 1.0])
     u = torch.full((1, 32), 0.5, dtype=torch.float64)
-    sigma, v, q, corrected = eden.corrected_scales(x.reshape(1, 2, 16), x.abs().reshape(1, 2, 16).amax(-1), spec)
+    blocks = x.reshape(1, 2, 16)
+    sigma, v, q, corrected = eden.corrected_scales(blocks, blocks.abs().amax(-1), spec)
     assert sigma.tolist() == [[1.0, 0.5]] and corrected.tolist() == [[0.984375, 0.5]]
     assert q[0, 0, :4].tolist() == [6.0, 3.0, 1.0, 0.5] and q[0, 1, :2].tolist() == [6.0, 2.0]
     got = quantize(x, spec, noise=u)
@@ -90,7 +91,8 @@ def test_matches_the_kernel_restated_in_numpy(amax_target):
     """Random rows over 2^[-20, 20), a zero block, a block whose scale underflows E4M3 after
     the tensor scale: values, stored scales and tensor scale bit for bit."""
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(64, 256, generator=gen) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=gen).float())
+    binades = torch.randint(-20, 20, (64, 1), generator=gen).float()
+    x = torch.randn(64, 256, generator=gen) * torch.exp2(binades)
     x = x.to(torch.bfloat16).float()
     x[3, :16] = 0.0
     u = uniforms(x.shape, 2)
@@ -149,10 +151,10 @@ def test_unbiased_over_rotations_and_draws():
     x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(5)).double()
 
     def draws(spec, n):
-        return torch.stack([
-            fake_quantize(x.float(), dataclasses.replace(spec, hadamard_seed=s), generator=10_000 + s)
-            for s in range(n)
-        ]).double()
+        """n dequantized draws, draw s with rotation seed s and scale draws from seed 10^4 + s."""
+        rotations = [dataclasses.replace(spec, hadamard_seed=s) for s in range(n)]
+        one = [fake_quantize(x.float(), r, generator=10**4 + s) for s, r in enumerate(rotations)]
+        return torch.stack(one).double()
 
     nx = (x * x).sum()
     rtn = dataclasses.replace(F.NVFP4, name="nvfp4_rht", hadamard=128)
@@ -217,7 +219,8 @@ def test_partial_blocks_equal_zero_padding_and_batch_dims_are_separate_tensors()
     assert q.tensor_scale.shape == (3, 1, 1)
     for i in range(3):
         alone = quantize(y[i], F.NVFP4_MS_EDEN, noise=v[i])
-        assert torch.equal(q.scales[i], alone.scales) and torch.equal(q.tensor_scale[i, 0, 0], alone.tensor_scale)
+        assert torch.equal(q.scales[i], alone.scales)
+        assert torch.equal(q.tensor_scale[i, 0, 0], alone.tensor_scale)
 
 
 def test_draws_come_from_the_noise_or_the_generator_and_move_only_the_scales():
@@ -270,5 +273,7 @@ def test_cuda_gives_the_cpu_bits():
     assert torch.equal(gpu.tensor_scale.cpu(), cpu.tensor_scale)
     plain = quantize(x, PLAIN, generator=3)
     plain_gpu = quantize(x.cuda(), PLAIN, generator=3)
-    assert_same_bits(plain_gpu.dequantize().cpu(), plain.dequantize(), x, "EDEN without the transform on CUDA")
-    assert torch.allclose(gpu.dequantize().cpu(), cpu.dequantize(), rtol=0, atol=1e-5)  # seen: 1.4e-6
+    what = "EDEN without the transform on CUDA"
+    assert_same_bits(plain_gpu.dequantize().cpu(), plain.dequantize(), x, what)
+    seen = 1.4e-6  # the largest difference an H200 gave
+    assert torch.allclose(gpu.dequantize().cpu(), cpu.dequantize(), rtol=0, atol=10 * seen)

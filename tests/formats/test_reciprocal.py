@@ -144,7 +144,8 @@ def test_divide_unrounded_maps_every_block_maximum_to_the_element_max():
     v = a / (a / torch.tensor(6.0))
     assert torch.all((v - 6.0).abs() <= 2.0**-21)
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(4096, 16, generator=gen) * torch.exp2(torch.randint(-20, 20, (4096, 1), generator=gen).float())
+    binades = torch.randint(-20, 20, (4096, 1), generator=gen).float()
+    x = torch.randn(4096, 16, generator=gen) * torch.exp2(binades)
     q = quantize(x, "nvfp4_divide_unrounded")
     at_max = q.element_values().abs().gather(1, x.abs().argmax(1, keepdim=True))
     assert torch.all(at_max == 6.0)
@@ -182,5 +183,6 @@ def test_nvfp4_1level_is_fp4_fa4_stage_codes_perblock_qk():
     q = quantize(x, "nvfp4_1level")
     assert same_e2m1(q, codes)
     assert torch.equal(q.scales, scale)
-    assert q.scales[1, 1].item() == 0.0 and torch.equal(q.codes[1, 16:32] & 7, torch.zeros(16, dtype=torch.uint8))
+    assert q.scales[1, 1].item() == 0.0
+    assert torch.equal(q.codes[1, 16:32] & 7, torch.zeros(16, dtype=torch.uint8))
     assert not torch.isnan(q.dequantize()).any()

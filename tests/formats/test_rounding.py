@@ -66,7 +66,11 @@ def test_codes_equal_ml_dtypes_bytes(fmt):
     container = np.uint8 if fmt.bits <= 8 else np.uint16
     ref = torch.from_numpy(x.numpy().astype(ml_dtype(fmt)).view(container).astype(np.int64))
     bad = (ours != ref).nonzero().flatten()
-    assert bad.numel() == 0, f"first mismatch: x={x[bad[0]].item()!r} ours={int(ours[bad[0]]):#x} ref={int(ref[bad[0]]):#x}"
+    if bad.numel():
+        i = bad[0]
+        raise AssertionError(
+            f"first mismatch: x={x[i].item()!r} ours={int(ours[i]):#x} ref={int(ref[i]):#x}"
+        )
 
 
 def test_ue8m0_lowest_binade_rounds_to_nearest():
@@ -123,7 +127,8 @@ def test_every_mode_against_the_grid_oracle(fmt, rounding):
     x = x[torch.isfinite(x)]
     for dtype in (torch.float32, torch.float64):
         ours = round_to_format(x.to(dtype), fmt, rounding=rounding).double()
-        assert_same_bits(ours, grid_oracle(x, fmt, rounding), x, f"{fmt.name} {rounding.value} {dtype}")
+        what = f"{fmt.name} {rounding.value} {dtype}"
+        assert_same_bits(ours, grid_oracle(x, fmt, rounding), x, what)
 
 
 @pytest.mark.parametrize("fmt", F.FORMATS, ids=str)
@@ -199,7 +204,8 @@ def test_stochastic_rounding_is_unbiased():
 def test_stochastic_rounding_same_seed_same_bits():
     x = torch.randn(10_000)
     a = round_to_format(x, F.FP4_E2M1, rounding="stochastic", generator=7)
-    b = round_to_format(x, F.FP4_E2M1, rounding="stochastic", generator=torch.Generator().manual_seed(7))
+    seven = torch.Generator().manual_seed(7)
+    b = round_to_format(x, F.FP4_E2M1, rounding="stochastic", generator=seven)
     c = round_to_format(x, F.FP4_E2M1, rounding="stochastic", generator=8)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
@@ -219,7 +225,10 @@ def test_stochastic_rounding_with_given_noise_and_few_bits():
     two = round_to_format(x, F.FP4_E2M1, rounding="stochastic", sr_bits=2, noise=noise)
     assert two.tolist() == [0.5, 0.5, 0.0, 0.0]  # up iff floor(4u) < floor(4 * 0.3) = 1
     u = torch.arange(4, dtype=torch.float64) / 4
-    p_up = (round_to_format(torch.full((4,), 0.15), F.FP4_E2M1, rounding="stochastic", sr_bits=2, noise=u) > 0).double().mean()
+    rounded = round_to_format(
+        torch.full((4,), 0.15), F.FP4_E2M1, rounding="stochastic", sr_bits=2, noise=u
+    )
+    p_up = (rounded > 0).double().mean()
     assert p_up.item() == 0.25
 
 
@@ -243,11 +252,16 @@ def test_monotone(a, b, fmt, rounding):
     assert r[0] <= r[1]
 
 
-@given(st.lists(finite_floats, min_size=1, max_size=64), st.sampled_from(GRID_FORMATS), st.sampled_from(DETERMINISTIC))
+@given(
+    st.lists(finite_floats, min_size=1, max_size=64),
+    st.sampled_from(GRID_FORMATS),
+    st.sampled_from(DETERMINISTIC),
+)
 def test_sign_symmetric(xs, fmt, rounding):
     x = torch.tensor(xs)
     # torch.equal compares values, so FNUZ's +0 for -x matches -(+0).
-    assert torch.equal(round_to_format(-x, fmt, rounding=rounding), -round_to_format(x, fmt, rounding=rounding))
+    negated = round_to_format(-x, fmt, rounding=rounding)
+    assert torch.equal(negated, -round_to_format(x, fmt, rounding=rounding))
 
 
 @given(st.lists(st.floats(min_value=-6, max_value=6, width=32), min_size=1, max_size=64))
@@ -259,7 +273,9 @@ def test_nearest_error_is_at_most_half_a_gap(xs):
 
 
 # -- bad input ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("x", [torch.ones(3, dtype=torch.int32), torch.ones(3, dtype=torch.complex64)])
+@pytest.mark.parametrize(
+    "x", [torch.ones(3, dtype=torch.int32), torch.ones(3, dtype=torch.complex64)]
+)
 def test_rejects_non_float_tensors(x):
     with pytest.raises(TypeError, match="x must be a floating-point tensor"):
         round_to_format(x, F.FP4_E2M1)
@@ -285,11 +301,14 @@ def test_float32_fast_path_rounds_stochastically_as_the_float64_path(fmt, sr_bit
     )
     x = torch.cat([x, SPECIALS, torch.tensor([1e-45, -1e-45, 3.4e38])])
     u = torch.rand(x.shape, generator=gen, dtype=torch.float64)
-    u[:8] = torch.tensor([0.0, 0.5, 1 - 2**-53, 2**-53, 0.25, 0.75, 0.999, 0.001], dtype=torch.float64)
+    edges = [0.0, 0.5, 1 - 2**-53, 2**-53, 0.25, 0.75, 0.999, 0.001]
+    u[:8] = torch.tensor(edges, dtype=torch.float64)
     fast = round_to_format(x, fmt, rounding="stochastic", noise=u, sr_bits=sr_bits)
-    slow = round_to_format(x.double(), fmt, rounding="stochastic", noise=u, sr_bits=sr_bits).float()
+    slow = round_to_format(x.double(), fmt, rounding="stochastic", noise=u, sr_bits=sr_bits)
+    slow = slow.float()
     assert_same_bits(fast, slow, x, f"{fmt.name} stochastic float32 vs float64")
     # a generator draws the same uniforms on both paths
     a = round_to_format(x, fmt, rounding="stochastic", generator=9, sr_bits=sr_bits)
-    b = round_to_format(x.double(), fmt, rounding="stochastic", generator=9, sr_bits=sr_bits).float()
+    b = round_to_format(x.double(), fmt, rounding="stochastic", generator=9, sr_bits=sr_bits)
+    b = b.float()
     assert_same_bits(a, b, x, f"{fmt.name} stochastic generator")
