@@ -178,7 +178,7 @@ class Correction(enum.Enum):
     """Quartet II's MS-EDEN (arXiv 2601.22813), as its CUDA kernel computes it
     (IST-DASLab/Quartet-II ``kernels/csrc/group_transform_and_eden.cu``,
     ``had128_utils.cuh``; see `fp4lab.formats.eden` for the sources and every difference).
-    For each block b of the (Hadamard-rotated) x, with c = `QuantSpec.amax_target`:
+    For each block b of the (Hadamard-rotated) x, with c = `QuantSpec.amax_target` in float32:
     sigma_b = RTZ_4(fl(a_b * fl(1 / c))), the float32 mantissa truncated to 4 bits (0 if
     that is a float32 subnormal); v = fl(x * fl(1 / sigma_b)) (0 for sigma_b = 0);
     q = E2M1_RN_sat(v); S_b = fl(<v, v> / <v, q>) (1 if <v, q> = 0);
@@ -322,6 +322,10 @@ class QuantSpec:
             raise ValueError("correction=eden defines its own scale chain: it needs 1-D blocks, "
                              "tensor_scale=True, scale_rule=nearest, arithmetic=exact, no "
                              "scale_floor, rounding=nearest_even and sr_bits=None")
+        if self.scale.mbits > 23 - 16:
+            raise ValueError(f"correction=eden rounds its scales with 16 random bits below "
+                             f"the mantissa: scale needs at most 7 mantissa bits, got "
+                             f"{self.scale.name}")
 
     @property
     def block_size(self) -> int | None:

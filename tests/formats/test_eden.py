@@ -253,6 +253,7 @@ def test_the_constant_follows_the_released_backward():
         (dict(rounding="stochastic"), "rounding=nearest_even"),
         (dict(arithmetic="te_encode"), "arithmetic=exact"),
         (dict(correction="none"), "amax_target is read by correction=eden only"),
+        (dict(scale=F.FP32), "scale needs at most 7 mantissa bits"),
         (dict(correction="edenn"), "correction must be one of none, eden"),
     ],
 )
