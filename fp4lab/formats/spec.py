@@ -58,7 +58,10 @@ class ScaleRule(enum.Enum):
     """Alpha grid (see `alpha_grid`), E = ceil(log2 a): up iff r > 1. fp4-fa4's "max-safe
     ceiling" (select 4) for P in its MXFP4 P/V training route; HAO's MXFP8 P group scales
     (hao-ai-lab/flash-attention-fp4, ``cvt.rpi`` of log2 of the group's max P), with E4M3
-    elements: E4M3_RN_sat(448 P / 2^E). Never clips."""
+    elements: E4M3_RN_sat(448 P / 2^E). Never clips. HAO's ``cvt_f32_to_ue8m0`` takes the
+    ceiling of ``lg2.approx.f32``; fp4lab's log2 is exact, so for an amax within the
+    approximation's error (about 2^-22 relative) above a power of two the kernel may keep
+    the lower exponent and clip that element to 448 (unverified: the hardware's error)."""
 
     ALPHA_MSE = "alpha_mse"
     """Alpha grid, E = floor(log2 a) + [r >= 1.203125]: fp4-fa4's
