@@ -46,10 +46,11 @@ makes t, and so every block, NaN (the kernel's max over the scales' bits picks N
 
 What differs elsewhere in the release, and what fp4lab does not model:
 - The Python reference (``src/models/quantization/quantizers/eden.py``, ``EdenSRQuantizer``
-  with ``scale_dtype="e4m3"``) rounds the block scale to nearest E4M3 before the correction,
-  takes the correction over each 128-element Hadamard group instead of each block of 16, uses
-  t = max_b(scale) / 256 of the uncorrected scales with 1 / 6 * 17 / 16 * scale_override
-  folded in, and draws its scale rounding exactly (``torch.bernoulli``). The Triton kernels
+  with ``scale_dtype="e4m3"``) takes scale groups of ``group_dim`` (by default the Hadamard
+  size), rounds a_b / t to nearest E4M3 before the correction with
+  t = max_b a_b / 256 and the decode factor t * (17 / 16) * scale_override / 6, takes the
+  correction over each 128-element Hadamard group instead of each block of 16, and draws its
+  scale rounding exactly (``torch.bernoulli`` over the E4M3 neighbours). The Triton kernels
   (``eden_1x16s_fp4_kernel`` in ``src/models/quantization/schemes/quartet_2.py`` and
   ``quantizers/nvfp4_triton.py``) take t = amax / 255.99 / (6 / scale_override) from the
   tensor amax, round scales to nearest E4M3, and correct over 128-element groups too.
