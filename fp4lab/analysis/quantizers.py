@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from fp4lab.analysis.context import Pass
 from fp4lab.analysis.tile_stats import exact_count
-from fp4lab.formats import FloatFormat, QuantSpec, Rounding, quantize_blocks, round_to_format
+from fp4lab.formats import FloatFormat, QuantSpec, quantize_blocks, round_to_format
 from fp4lab.recipes import Seq, TensorScope, operand
 
 __all__ = ["Quantized", "quantize_operand", "quantize_field", "stochastic"]
@@ -49,7 +49,7 @@ class Quantized:
 
 def stochastic(spec) -> bool:
     """Whether an operand's format rounds stochastically (then it needs draws)."""
-    return isinstance(spec, QuantSpec) and spec.rounding is Rounding.STOCHASTIC
+    return isinstance(spec, QuantSpec) and spec.stochastic
 
 
 def quantize_operand(

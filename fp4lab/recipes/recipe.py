@@ -24,7 +24,6 @@ from fp4lab.formats import (
     FP4_E2M1,
     FloatFormat,
     QuantSpec,
-    Rounding,
     get,
     parse_enum,
 )
@@ -505,7 +504,7 @@ class AttentionRecipe:
     def stochastic(self) -> bool:
         """Whether any operand uses stochastic rounding (then attention needs a generator)."""
         return any(
-            isinstance(s, QuantSpec) and s.rounding is Rounding.STOCHASTIC
+            isinstance(s, QuantSpec) and s.stochastic
             for s in (getattr(self, f) for f in OPERAND_FIELDS)
         )
 
