@@ -29,3 +29,11 @@ def test_the_tours_run():
             exec(compile(tour, "README.md", "exec"), {})
     finally:
         F.unregister("mxfp4_rht16")
+
+
+def test_the_recipes_table_is_the_registry_s():
+    from fp4lab.formats.tables import to_markdown
+    from fp4lab.recipes.tables import recipes_frame
+
+    table = to_markdown(recipes_frame(products=False)[["name", "summary", "mask"]])
+    assert table in README, "regenerate the README's recipes table from recipes_frame"

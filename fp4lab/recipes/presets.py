@@ -102,7 +102,9 @@ def _preset(build) -> AttentionRecipe:
 # -- references ------------------------------------------------------------------------------
 @_preset
 def EXACT() -> AttentionRecipe:
-    """No quantization: FlashAttention-2's tiled forward and backward (Dao 2023,
+    """No quantization: FlashAttention-2 in the working precision, the reference.
+
+    No quantization: FlashAttention-2's tiled forward and backward (Dao 2023,
     arXiv 2307.08691, Algorithms 1 and 2) in the working precision, the reference every
     other recipe is measured against."""
     return AttentionRecipe(name="exact", source="FlashAttention-2 paper, Algorithms 1 and 2")
@@ -110,7 +112,9 @@ def EXACT() -> AttentionRecipe:
 
 @_preset
 def FLASH_BF16() -> AttentionRecipe:
-    """BF16 operands with float32 accumulation: every operand of the six products is rounded
+    """BF16 operands with float32 accumulation, as FlashAttention-2's bf16 kernels.
+
+    BF16 operands with float32 accumulation: every operand of the six products is rounded
     to bfloat16 (round-to-nearest-even), as FlashAttention-2's bf16 kernels do (Dao 2023,
     arXiv 2307.08691), P and dS included (they are converted to bf16 before their matrix
     products).
@@ -122,7 +126,9 @@ def FLASH_BF16() -> AttentionRecipe:
 
 @_preset
 def FP8_PER_TENSOR() -> AttentionRecipe:
-    """FP8 with one scale per tensor, the "hybrid" FP8 training recipe (Micikevicius et al.
+    """FP8 with one scale per tensor (E4M3 forward, E5M2 gradients), a paper recipe.
+
+    FP8 with one scale per tensor, the "hybrid" FP8 training recipe (Micikevicius et al.
     2022, "FP8 Formats for Deep Learning", arXiv 2209.05433): activations and weights (Q, K,
     V, P) in E4M3, gradients (dO, dS) in E5M2, each with an amax-derived FP32 scale.
 
@@ -151,7 +157,9 @@ def FP8_PER_TENSOR() -> AttentionRecipe:
 # -- FlashAttention-3 --------------------------------------------------------------------------
 @_preset
 def FA3_FP8() -> AttentionRecipe:
-    """FlashAttention-3's FP8 forward as released (Dao-AILab/flash-attention, ``hopper/``).
+    """FlashAttention-3's FP8 forward as released: per-head scales, 2^8 P, reverse order.
+
+    FlashAttention-3's FP8 forward as released (Dao-AILab/flash-attention, ``hopper/``).
 
     From the code:
     - Q, K, V in E4M3 with one descale per (batch, kv-head), shared by a query group
@@ -190,7 +198,9 @@ def FA3_FP8() -> AttentionRecipe:
 
 @_preset
 def FA3_FP8_PAPER() -> AttentionRecipe:
-    """FlashAttention-3's FP8 forward as its paper describes it (Shah et al. 2024,
+    """FlashAttention-3's FP8 forward as its paper: 128-row blocks, incoherent processing.
+
+    FlashAttention-3's FP8 forward as its paper describes it (Shah et al. 2024,
     arXiv 2407.08608, Sec. 3.3), where the released code differs: block quantization of Q,
     K, V in E4M3 with one FP32 scale per 128-row block (the whole head dimension), and
     incoherent processing, Q and K multiplied by a random-sign Hadamard matrix along head_dim
@@ -220,7 +230,9 @@ def FA3_FP8_PAPER() -> AttentionRecipe:
 # -- SageAttention3 ----------------------------------------------------------------------------
 @_preset
 def SAGEATTN3() -> AttentionRecipe:
-    """SageAttention3's FP4 inference kernel as released (thu-ml/SageAttention,
+    """SageAttention3's FP4 kernel as released: 2688 P against the running maximum.
+
+    SageAttention3's FP4 inference kernel as released (thu-ml/SageAttention,
     ``sageattention3_blackwell/sageattn3/``).
 
     From the code:
@@ -269,7 +281,9 @@ def SAGEATTN3() -> AttentionRecipe:
 
 @_preset
 def SAGEATTN3_PAPER() -> AttentionRecipe:
-    """SageAttention3 as its paper describes it (Zhang et al. 2025, arXiv 2505.11594,
+    """SageAttention3 as its paper: two-level P, each tile row scaled to 448 * 6.
+
+    SageAttention3 as its paper describes it (Zhang et al. 2025, arXiv 2505.11594,
     Sec. 3.2), where the released kernel differs: two-level P, each row of a tile first
     scaled so that its own maximum maps to 448 * 6, then NVFP4 (E4M3 scale per 16); Q, K, V
     in NVFP4 with their scales rounded before the elements are divided. The released kernel
@@ -310,7 +324,9 @@ _ATTN_QAT_FORWARD = dict(
 
 @_preset
 def ATTN_QAT() -> AttentionRecipe:
-    """Attn-QAT (arXiv 2603.00040) as its training runs (hao-ai-lab/FastVideo).
+    """Attn-QAT as its training runs: NVFP4 everywhere, a straight-through backward.
+
+    Attn-QAT (arXiv 2603.00040) as its training runs (hao-ai-lab/FastVideo).
 
     From the code: the training backend (``fastvideo/attention/backends/attn_qat_train.py``)
     sets ``use_qat_qkv_backward``, ``fake_quant_p_bwd`` and ``use_high_prec_o`` and turns off
@@ -346,7 +362,9 @@ def ATTN_QAT() -> AttentionRecipe:
 
 @_preset
 def ATTN_QAT_KERNEL() -> AttentionRecipe:
-    """FastVideo's Attn-QAT training kernel with its own defaults
+    """Attn-QAT's kernel defaults: K smoothing, two-level P, per-tile global scales.
+
+    FastVideo's Attn-QAT training kernel with its own defaults
     (``fastvideo-kernel/.../triton_kernels/attn_qat_train.py``, ``_attention.forward``:
     ``smooth_k=True, two_level_quant_P=True, use_global_sf_P=True, use_global_sf_QKV=True,
     use_high_prec_o=False``), which the training backend overrides (`attn_qat`).
@@ -378,7 +396,9 @@ def ATTN_QAT_KERNEL() -> AttentionRecipe:
 
 @_preset
 def ATTN_QAT_DROPIN() -> AttentionRecipe:
-    """The unstable baseline of Attn-QAT (arXiv 2603.00040): `attn_qat`'s FP4 forward dropped
+    """Attn-QAT's unstable baseline: its FP4 forward, a stock high-precision backward.
+
+    The unstable baseline of Attn-QAT (arXiv 2603.00040): `attn_qat`'s FP4 forward dropped
     in front of an ordinary high-precision FlashAttention backward, which recomputes S from
     the unquantized Q, K against the forward's log-sum-exp (so its P is not the forward's)
     and takes D = rowsum(dO * O) from the FP4 output.
@@ -417,7 +437,9 @@ def _fa4_qk() -> dict:
 
 @_preset
 def FA4FP4_CAUSAL() -> AttentionRecipe:
-    """The causal training route of "Hardware-Aware FP4 FlashAttention-4" with FP8 P/V,
+    """FP4 FlashAttention-4's causal training route v509: NVFP4 Q/K, FP8 P/V.
+
+    The causal training route of "Hardware-Aware FP4 FlashAttention-4" with FP8 P/V,
     route v509 (MrHuff/fp4-fa4, ``release/routes.json``: ``causal_nvfp4_qk_fp8_pv_v509``).
 
     From the code:
@@ -473,7 +495,9 @@ _ANCHOR_MARGIN = 64 * math.log(2)
 
 @_preset
 def FA4FP4_CAUSAL_MXFP4PV() -> AttentionRecipe:
-    """The causal training route with MXFP4 P/V of "Hardware-Aware FP4 FlashAttention-4",
+    """FP4 FlashAttention-4's MXFP4 P/V route (D128, the 8B runs): every run diverged.
+
+    The causal training route with MXFP4 P/V of "Hardware-Aware FP4 FlashAttention-4",
     the D128 route the 8B runs used (MrHuff/fp4-fa4, ``release/routes.json``:
     ``causal_nvfp4_qk_safe_mxfp4_pv_v509``, "selector 4, anchor32, margin-log2 64,
     stored-scale shift 32, represented-denominator saved LSE"). Every 8B run with it
@@ -511,7 +535,9 @@ def FA4FP4_CAUSAL_MXFP4PV() -> AttentionRecipe:
 
 @_preset
 def FA4FP4_CAUSAL_MXFP4PV_D64() -> AttentionRecipe:
-    """`fa4fp4_causal_mxfp4pv` with the topology the published 1.2B, head_dim 64 training
+    """The MXFP4 P/V route as the published 1.2B, head_dim 64 records ran it.
+
+    `fa4fp4_causal_mxfp4pv` with the topology the published 1.2B, head_dim 64 training
     records used (MrHuff/fp4-fa4 ``results/causal_isolated_matrix_20260820/training/*.json``,
     ``mx_forward_topology``): shiftless softmax with no anchor (the row reference is 0), the
     exponent by ``MX_SCALE_SELECT`` 1, e_B = floor(log2 max P + 1 - log2 1.5) (rounded up
@@ -531,7 +557,9 @@ def FA4FP4_CAUSAL_MXFP4PV_D64() -> AttentionRecipe:
 
 @_preset
 def FA4FP4_CAUSAL_MXFP4PV_FIXED() -> AttentionRecipe:
-    """`fa4fp4_causal_mxfp4pv` with the future-leakage fix of "Future leakage in
+    """The MXFP4 P/V route with MatX's future-leakage fix on the diagonal blocks.
+
+    `fa4fp4_causal_mxfp4pv` with the future-leakage fix of "Future leakage in
     block-quantized attention" (MatX research, matx.com/research/leaky_quantization,
     January 2026): V's 32-token blocks along the sequence let a later token's magnitude set
     the scale an earlier output's value rows are rounded with; the post's fix computes the
@@ -556,7 +584,9 @@ def FA4FP4_CAUSAL_MXFP4PV_FIXED() -> AttentionRecipe:
 
 @_preset
 def FA4FP4_CAUSAL_MXFP8PV() -> AttentionRecipe:
-    """NVFP4 Q/K with MXFP8 P/V, hao-ai-lab/flash-attention-fp4's "NVFP4+MXFP8" mode
+    """NVFP4 Q/K with MXFP8 P/V (HAO's mode), with the v509 backward.
+
+    NVFP4 Q/K with MXFP8 P/V, hao-ai-lab/flash-attention-fp4's "NVFP4+MXFP8" mode
     (``flash_attn/cute/README.md``: "E4M3 P/V, E8M0 SFs per 32"), with fp4-fa4's v509
     backward.
 
@@ -581,7 +611,9 @@ def FA4FP4_CAUSAL_MXFP8PV() -> AttentionRecipe:
 
 @_preset
 def FA4FP4_DIRECTP() -> AttentionRecipe:
-    """Direct-P for non-causal inference, "Hardware-Aware FP4 FlashAttention-4"'s "fast"
+    """Direct-P for non-causal inference: E2M1 codes from the scores, MXFP4 P/V.
+
+    Direct-P for non-causal inference, "Hardware-Aware FP4 FlashAttention-4"'s "fast"
     policy (MrHuff/fp4-fa4
     ``reproduction/snapshots/forward_cfc06dad/.../Makefile.hao_direct_fp4pv``,
     ``HAO_FP4PV_MX_POLICY=fast``).
@@ -619,7 +651,9 @@ def FA4FP4_DIRECTP() -> AttentionRecipe:
 # -- CroissAttn ------------------------------------------------------------------------------------
 @_preset
 def CROISSATTN() -> AttentionRecipe:
-    """CroissAttn (conference talk; no public paper or code found): all six attention
+    """CroissAttn as far as known: six NVFP4 products, a stochastic backward.
+
+    CroissAttn (conference talk; no public paper or code found): all six attention
     products in FP4 (NVFP4), stochastic rounding of the backward operands, and a softmax row
     correction that normalises by the row sum of the quantized P, claimed to make the
     gradient unbiased and to train models from 181M to 8B parameters.
@@ -645,7 +679,9 @@ def CROISSATTN() -> AttentionRecipe:
 
 @_preset
 def CROISSATTN_EDEN() -> AttentionRecipe:
-    """`croissattn` with Quartet II's MS-EDEN (arXiv 2601.22813, IST-DASLab/Quartet-II) on
+    """CroissAttn with Quartet II's MS-EDEN on the backward operands.
+
+    `croissattn` with Quartet II's MS-EDEN (arXiv 2601.22813, IST-DASLab/Quartet-II) on
     the eight backward operands instead of element-wise stochastic rounding: a random
     Hadamard transform, round-to-nearest, and a per-block correction folded into a
     stochastically rounded E4M3 scale, unbiased at lower variance (`fp4lab.formats`'
