@@ -74,23 +74,35 @@ def interleaved_seconds(steps: dict, repeats: int) -> dict[str, list[float]]:
 
 def time_case(repeats: int) -> None:
     q, k, v, do = inputs(heads=4, seq=2048)
-    print("(a) time: batch 1, 4 heads, seq 2048, head_dim 64, float32, forward + backward; "
-          f"{repeats} interleaved rounds")
+    print(
+        "(a) time: batch 1, 4 heads, seq 2048, head_dim 64, float32, forward + backward; "
+        f"{repeats} interleaved rounds"
+    )
     steps = {
         "plain torch float32 (materialised softmax)": lambda: plain_step(q, k, v, do),
         "fp4lab nvfp4, trace on": lambda: fp4lab_step(q, k, v, do, "nvfp4", True),
-        "fp4lab nvfp4, trace on, float64 reference": lambda: fp4lab_step(q, k, v, do, "nvfp4", True, torch.float64),
+        "fp4lab nvfp4, trace on, float64 reference": lambda: fp4lab_step(
+            q, k, v, do, "nvfp4", True, torch.float64
+        ),
         "fp4lab nvfp4, trace off": lambda: fp4lab_step(q, k, v, do, "nvfp4", False),
         "fp4lab exact, trace off": lambda: fp4lab_step(q, k, v, do, "exact", False),
     }
     times = interleaved_seconds(steps, repeats)
     plain = next(iter(times.values()))
-    print(f"{'case':48s} {'median s':>9s} {'min s':>7s} {'x plain (median)':>17s} {'x plain (min)':>14s}")
+    print(
+        f"{'case':48s} {'median s':>9s} {'min s':>7s} {'x plain (median)':>17s} "
+        f"{'x plain (min)':>14s}"
+    )
     for name, seconds in times.items():
         median, best = statistics.median(seconds), min(seconds)
-        print(f"{name:48s} {median:9.3f} {best:7.3f} {median / statistics.median(plain):16.1f}x {best / min(plain):13.1f}x")
+        print(
+            f"{name:48s} {median:9.3f} {best:7.3f} {median / statistics.median(plain):16.1f}x "
+            f"{best / min(plain):13.1f}x"
+        )
     traced = times["fp4lab nvfp4, trace on"]
-    met = statistics.median(traced) <= 4 * statistics.median(plain) and min(traced) <= 4 * min(plain)
+    met = statistics.median(traced) <= 4 * statistics.median(plain) and min(traced) <= 4 * min(
+        plain
+    )
     print(f"goal: nvfp4 with the trace within 4x of plain torch -> {'met' if met else 'NOT met'}")
 
 
@@ -121,14 +133,24 @@ def peak_rss_bytes() -> int:
 
 def memory_case(seq: int = 16384) -> None:
     dense = seq * seq * 4
-    print(f"\n(b) memory: seq {seq}, 1 head, head_dim 64, float32, forward + backward; "
-          "peak RSS growth in a fresh process")
-    print(f"one dense {seq}^2 float32 matrix: {dense / MiB:.0f} MiB; goal: under {dense / 4 / MiB:.0f} MiB")
+    print(
+        f"\n(b) memory: seq {seq}, 1 head, head_dim 64, float32, forward + backward; "
+        "peak RSS growth in a fresh process"
+    )
+    print(
+        f"one dense {seq}^2 float32 matrix: {dense / MiB:.0f} MiB; goal: under "
+        f"{dense / 4 / MiB:.0f} MiB"
+    )
     print(f"{'case':32s} {'peak growth MiB':>16s} {'seconds':>8s}  goal")
     for recipe, traced in (("exact", False), ("nvfp4", False), ("nvfp4", True)):
-        code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-                f"import bench_attention_cpu as b; print(json.dumps(b.memory_child({recipe!r}, {traced}, {seq})))")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        code = (
+            f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import bench_attention_cpu as b; print(json.dumps(b.memory_child({recipe!r}, "
+            f"{traced}, {seq})))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
         result = json.loads(out.stdout.strip().splitlines()[-1])
         ok = "met" if result["growth"] < dense / 4 else "NOT met"
         name = f"fp4lab {recipe}, trace {'on' if traced else 'off'}"
@@ -141,13 +163,19 @@ def main() -> None:
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp4lab {fp4lab.__version__}, "
-          f"load average {os.getloadavg()[0]:.2f} at the start")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp4lab "
+        f"{fp4lab.__version__}, "
+        f"load average {os.getloadavg()[0]:.2f} at the start"
+    )
     if not args.skip_time:
         time_case(args.repeats)
     if not args.skip_memory:
         memory_case()
-    print(f"load average {os.getloadavg()[0]:.2f} at the end (other processes on the machine skew times)")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} at the end (other processes on the machine skew "
+        "times)"
+    )
 
 
 if __name__ == "__main__":

@@ -56,9 +56,9 @@ def check_mx(element, torch_dtype):
         s, d = to_mx(x, torch_dtype, 32)
         q = fp4lab.quantize(x, element)
         codes = unpack_uint4(d.view(torch.uint8)) if element == "mxfp4" else d.view(torch.uint8)
-        return torch.equal(F.UE8M0.encode(q.scales), s.view(torch.uint8).reshape(q.scales.shape)) and (
-            torch.equal(q.codes, codes.reshape(x.shape))
-        )
+        return torch.equal(
+            F.UE8M0.encode(q.scales), s.view(torch.uint8).reshape(q.scales.shape)
+        ) and (torch.equal(q.codes, codes.reshape(x.shape)))
 
     return check
 
@@ -87,15 +87,20 @@ def main():
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'recipe':<14} {'size':>11} {'same bits':>9} {'fp4lab ms':>10} {'torchao ms':>10} {'speedup':>8}")
+    print(
+        f"{'recipe':<14} {'size':>11} {'same bits':>9} {'fp4lab ms':>10} {'torchao ms':>10} "
+        f"{'speedup':>8}"
+    )
     for size in args.sizes:
         x = torch.randn(size, size, generator=gen)
         for recipe, (reference, check) in CASES.items():
             same = check(x)
             ours = median_seconds(lambda t, r=recipe: fp4lab.fake_quantize(t, r), x, args.repeats)
             theirs = median_seconds(reference, x, args.repeats)
-            print(f"{recipe:<14} {f'{size}x{size}':>11} {str(same):>9} {ours * 1e3:>10.1f} "
-                  f"{theirs * 1e3:>10.1f} {theirs / ours:>7.2f}x")
+            print(
+                f"{recipe:<14} {f'{size}x{size}':>11} {str(same):>9} {ours * 1e3:>10.1f} "
+                f"{theirs * 1e3:>10.1f} {theirs / ours:>7.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -37,10 +37,15 @@ def test_each_layer_imports_only_what_it_may(layer):
     assert modules, f"no modules in fp4lab/{layer}"
     for path in modules:
         bad = fp4lab_imports(path) - ALLOWED[layer]
-        assert not bad, f"fp4lab/{layer}/{path.name} imports {sorted(bad)}; {layer} may import {sorted(ALLOWED[layer])}"
+        assert not bad, (
+            f"fp4lab/{layer}/{path.name} imports {sorted(bad)}; {layer} may import "
+            f"{sorted(ALLOWED[layer])}"
+        )
 
 
 def test_the_rule_checker_sees_imports(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("import fp4lab.analysis.flash\nfrom fp4lab.kernels import x\nfrom . import y\n")
+    module.write_text(
+        "import fp4lab.analysis.flash\nfrom fp4lab.kernels import x\nfrom . import y\n"
+    )
     assert fp4lab_imports(module) == {"analysis", "kernels"}

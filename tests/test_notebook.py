@@ -37,7 +37,9 @@ def test_executes_and_draws_the_heatmaps(notebook, tmp_path):
     """Runs every cell with the python3 kernel of this interpreter (nbclient; < 60 s)."""
     notebook = copy.deepcopy(notebook)  # the stored one stays clean for the other tests
     resources = {"metadata": {"path": str(tmp_path)}}
-    nbclient.NotebookClient(notebook, kernel_name="python3", timeout=120, resources=resources).execute()
+    nbclient.NotebookClient(
+        notebook, kernel_name="python3", timeout=120, resources=resources
+    ).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]

@@ -15,7 +15,9 @@ def code_blocks(language: str) -> list[str]:
 
 def test_ci_runs_the_readme_commands():
     ci = (ROOT / ".ci" / "run").read_text()
-    commands = [line for block in code_blocks("bash") for line in block.splitlines() if line.strip()]
+    commands = [
+        line for block in code_blocks("bash") for line in block.splitlines() if line.strip()
+    ]
     assert len(commands) == 2, "the README gives exactly two set-up commands"
     for command in commands:
         assert command in ci

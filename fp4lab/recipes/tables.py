@@ -35,7 +35,12 @@ def recipes_frame(products: bool = True) -> pd.DataFrame:
     rows = []
     for name in names(AttentionRecipe):
         recipe = get(name, AttentionRecipe)
-        row = {"name": name, "summary": summary(recipe), "mask": _mask(recipe), "source": recipe.source}
+        row = {
+            "name": name,
+            "summary": summary(recipe),
+            "mask": _mask(recipe),
+            "source": recipe.source,
+        }
         if products:
             for product in Product:
                 a, b = recipe.operands(product)

@@ -36,7 +36,9 @@ def backward_recipe(name, **overrides):
 
 UNBIASED = backward_recipe("test_sr_backward")
 # Hardware SR with 1 random bit: P(up) = floor(2 frac) / 2, biased toward zero.
-SR_1BIT = backward_recipe("test_sr1_backward", **dict.fromkeys(BACKWARD, dataclasses.replace(SR, sr_bits=1)))
+SR_1BIT = backward_recipe(
+    "test_sr1_backward", **dict.fromkeys(BACKWARD, dataclasses.replace(SR, sr_bits=1))
+)
 # One operand truncated: dV = P^T dO with dO rounded toward zero shrinks dV.
 TRUNCATED_DO = backward_recipe("test_tz_do", dv_do=dataclasses.replace(SR, rounding="toward_zero"))
 
@@ -44,7 +46,9 @@ TRUNCATED_DO = backward_recipe("test_tz_do", dv_do=dataclasses.replace(SR, round
 @pytest.fixture(scope="module")
 def x():
     """float64 inputs, so that the working precision's own error is negligible."""
-    return synthetic_inputs(batch=1, heads=2, seq=128, head_dim=32, seed=0, dtype="float64", do_scale=1.0)
+    return synthetic_inputs(
+        batch=1, heads=2, seq=128, head_dim=32, seed=0, dtype="float64", do_scale=1.0
+    )
 
 
 def bound(tests: int) -> float:
@@ -109,7 +113,10 @@ def test_same_seed_same_result_and_recorded_seeds_are_used(x):
     assert a.seeds == derive_seeds(11, 3) and a.seed == 11 and len(set(a.seeds)) == 3
     # rerun the recorded draws by hand: the mean gradient's error is the reported one
     exact = exact_reference(x.q, x.k, x.v, x.do, **OPTS)
-    draws = [forward_backward(x.q, x.k, x.v, x.do, UNBIASED, trace=None, generator=s, **OPTS) for s in a.seeds]
+    draws = [
+        forward_backward(x.q, x.k, x.v, x.do, UNBIASED, trace=None, generator=s, **OPTS)
+        for s in a.seeds
+    ]
     for i, name in enumerate(("dq", "dk", "dv"), start=1):
         mean = sum(d[i] for d in draws) / 3
         want = ((mean - exact[i]).norm() / exact[i].norm()).item()

@@ -65,10 +65,13 @@ def test_errors_are_what_the_recipe_returned():
     assert c.trace is None
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     from fp4lab.analysis import attention
+
     o = attention(qq, kk, vv, "nvfp4", **OPTS)
     o.backward(do)
     ref = exact_reference(q, k, v, do, **OPTS)
-    for got, r, (_, row) in zip((o, qq.grad, kk.grad, vv.grad), ref, c.errors.iterrows(), strict=True):
+    for got, r, (_, row) in zip(
+        (o, qq.grad, kk.grad, vv.grad), ref, c.errors.iterrows(), strict=True
+    ):
         want = ((got.double() - r).norm() / r.norm()).item()
         assert row["rel_l2"] == pytest.approx(want, rel=1e-12)
 
@@ -107,20 +110,34 @@ def test_saturation_lists_every_operand_and_the_lost_mass(x):
     c = compare(x.q, x.k, x.v, x.do, "fa4fp4_causal_mxfp4pv", causal=True, **OPTS)
     sat = c.saturation()
     assert list(zip(sat["product"], sat["operand"], strict=True)) == [
-        ("qk", "q"), ("qk", "k"), ("pv", "p"), ("pv", "v"), ("dv", "p"), ("dv", "do"),
-        ("dp", "do"), ("dp", "v"), ("dq", "ds"), ("dq", "k"), ("dk", "ds"), ("dk", "q"),
+        ("qk", "q"),
+        ("qk", "k"),
+        ("pv", "p"),
+        ("pv", "v"),
+        ("dv", "p"),
+        ("dv", "do"),
+        ("dp", "do"),
+        ("dp", "v"),
+        ("dq", "ds"),
+        ("dq", "k"),
+        ("dk", "ds"),
+        ("dk", "q"),
     ]
     frame = c.trace.to_frame()
     pv = frame[frame["product"] == "pv"]
     want = pv.groupby(["batch", "head", "q_tile"])["p_mass_lost"].sum().mean()
     got = sat.set_index(["product", "operand"]).loc[("pv", "p"), "p_mass_lost"]
     assert got == pytest.approx(want) and 0 < got < 1
-    assert sat.set_index(["product", "operand"]).loc[("pv", "p"), "flushed"] == pytest.approx(pv["a_flushed"].mean())
+    assert sat.set_index(["product", "operand"]).loc[("pv", "p"), "flushed"] == pytest.approx(
+        pv["a_flushed"].mean()
+    )
     assert math.isnan(sat.set_index(["product", "operand"]).loc[("qk", "q"), "p_mass_lost"])
 
 
 def test_saturation_of_several_recipes_keeps_their_order(x):
-    frames = [compare(x.q, x.k, x.v, x.do, r, **OPTS).trace.to_frame() for r in ("nvfp4", "fa4fp4_causal")]
+    frames = [
+        compare(x.q, x.k, x.v, x.do, r, **OPTS).trace.to_frame() for r in ("nvfp4", "fa4fp4_causal")
+    ]
     sat = saturation(pd.concat(frames, ignore_index=True))
     assert list(dict.fromkeys(sat["recipe"])) == ["nvfp4", "fa4fp4_causal"] and len(sat) == 24
 

@@ -57,7 +57,8 @@ def rand(*shape, dtype=F64, seed=0, scale=1.0):
 def qkv(b=1, h=2, hk=None, sq=37, sk=29, d=32, dv=None, dtype=F64, seed=0):
     hk = hk or h
     return (
-        rand(b, h, sq, d, dtype=dtype, seed=seed), rand(b, hk, sk, d, dtype=dtype, seed=seed + 1),
+        rand(b, h, sq, d, dtype=dtype, seed=seed),
+        rand(b, hk, sk, d, dtype=dtype, seed=seed + 1),
         rand(b, hk, sk, dv or d, dtype=dtype, seed=seed + 2),
     )
 
@@ -68,10 +69,12 @@ def grads(out, inputs, do):
 
 def close(a, b, tol):
     err = (a - b).abs().max().item() if a.numel() else 0.0
-    assert err <= tol, f"max abs error {err:.3e} > {tol:.1e} at {torch.argmax((a - b).abs()).item()}"
+    assert err <= tol, (
+        f"max abs error {err:.3e} > {tol:.1e} at {torch.argmax((a - b).abs()).item()}"
+    )
 
 
-# -- dense oracles for one query tile x one key tile ---------------------------------------------
+# -- dense oracles for one query tile x one key tile -----------------------------------------------
 def fq(x, spec, axis, prescale=1.0):
     """fake_quantize(x * c, spec, axis) / c; an element cast for a FloatFormat; x for None."""
     if spec is None:
@@ -100,8 +103,12 @@ def fq_whole(x, spec, axis, recipe, groups=1):
         return fq(x, spec, axis)
     assert recipe.tensor_scope is TensorScope.HEAD
     view = x.reshape(x.shape[0], x.shape[1] // groups, groups, *x.shape[2:])
-    out = torch.stack([torch.stack([fq(view[b, h], spec, axis) for h in range(view.shape[1])])
-                       for b in range(view.shape[0])])
+    out = torch.stack(
+        [
+            torch.stack([fq(view[b, h], spec, axis) for h in range(view.shape[1])])
+            for b in range(view.shape[0])
+        ]
+    )
     return out.reshape(x.shape)
 
 
@@ -124,7 +131,10 @@ def dense_attention(q, k, v, recipe, causal=False):
     h, scale = q.shape[1], 1 / math.sqrt(q.shape[-1])
     g = h // k.shape[1]
     qh = fq_whole(q, recipe.q, -1, recipe, g)
-    kh, vh = expand(fq_whole(k, recipe.k, -1, recipe), h), expand(fq_whole(v, recipe.v, -2, recipe), h)
+    kh, vh = (
+        expand(fq_whole(k, recipe.k, -1, recipe), h),
+        expand(fq_whole(v, recipe.v, -2, recipe), h),
+    )
     s = scale * qh @ kh.transpose(-1, -2)
     if causal:
         s = s.masked_fill(~causal_mask(*s.shape[-2:]), -math.inf)
@@ -151,20 +161,32 @@ def dense_backward(q, k, v, do, o, lse, recipe, causal=False):
     dp = do_dp @ expand(fq(v, recipe.dp_v, -1), h).transpose(-1, -2)
     ds = (p_dv if recipe.ds_p is DsP.DV_OPERAND else p) * (dp - delta)
     dq = scale * fq_tiles(ds, recipe.dq_ds, -1, recipe.ds_lift) @ expand(fq(k, recipe.dq_k, -2), h)
-    dk = scale * fq_tiles(ds, recipe.dk_ds, -2, recipe.ds_lift).transpose(-1, -2) @ fq(q, recipe.dk_q, -2)
+    dk = (
+        scale
+        * fq_tiles(ds, recipe.dk_ds, -2, recipe.ds_lift).transpose(-1, -2)
+        @ fq(q, recipe.dk_q, -2)
+    )
     group = lambda x: x.reshape(x.shape[0], hk, h // hk, *x.shape[2:]).sum(2)  # noqa: E731
     return dq, group(dk), group(dv)
 
 
-# -- exact: SDPA to 1e-10 in float64, FlashAttention's budget in float32 --------------------------
+# -- exact: SDPA to 1e-10 in float64, FlashAttention's budget in float32 ---------------------------
 def sdpa(q, k, v, causal=False, mask=None):
     if causal and mask is not None:
         mask, causal = mask & causal_mask(q.shape[-2], k.shape[-2]), False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True
+    )
 
 
 @pytest.mark.parametrize(
-    "shape", [(1, 2, 2, 37, 29, 32, 32), (2, 4, 2, 40, 100, 64, 48), (1, 3, 1, 70, 30, 32, 32), (1, 1, 1, 1, 1, 256, 256)],
+    "shape",
+    [
+        (1, 2, 2, 37, 29, 32, 32),
+        (2, 4, 2, 40, 100, 64, 48),
+        (1, 3, 1, 70, 30, 32, 32),
+        (1, 1, 1, 1, 1, 256, 256),
+    ],
     ids=["uneven", "gqa-dv", "mqa-sq>sk", "one-token-d256"],
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -180,12 +202,21 @@ def test_exact_float64_matches_sdpa(shape, causal):
 
 
 @given(
-    b=st.integers(1, 2), hk=st.integers(1, 2), group=st.integers(1, 3), sq=st.integers(1, 40),
-    sk=st.integers(1, 40), d=st.sampled_from([32, 48]), causal=st.booleans(),
-    masked=st.booleans(), bm=st.sampled_from([8, 16, 32]), bn=st.sampled_from([8, 16, 32]),
+    b=st.integers(1, 2),
+    hk=st.integers(1, 2),
+    group=st.integers(1, 3),
+    sq=st.integers(1, 40),
+    sk=st.integers(1, 40),
+    d=st.sampled_from([32, 48]),
+    causal=st.booleans(),
+    masked=st.booleans(),
+    bm=st.sampled_from([8, 16, 32]),
+    bn=st.sampled_from([8, 16, 32]),
     seed=st.integers(0, 2**16),
 )
-def test_exact_matches_sdpa_over_shapes_masks_and_gqa(b, hk, group, sq, sk, d, causal, masked, bm, bn, seed):
+def test_exact_matches_sdpa_over_shapes_masks_and_gqa(
+    b, hk, group, sq, sk, d, causal, masked, bm, bn, seed
+):
     q, k, v = (x.requires_grad_() for x in qkv(b, hk * group, hk, sq, sk, d, seed=seed))
     mask = None
     if masked:  # random keep-mask, some rows fully masked
@@ -217,7 +248,8 @@ def test_exact_float32_within_flash_attention_budget(causal):
     for fn in (plain, lambda q, k, v: attention(q, k, v, causal=causal, block_m=64, block_n=64)):
         out = fn(q, k, v)
         errs = [(out.double() - ref).abs().max()] + [
-            (g.double() - r).abs().max() for g, r in zip(grads(out, (q, k, v), do64.float()), ref_grads, strict=True)
+            (g.double() - r).abs().max()
+            for g, r in zip(grads(out, (q, k, v), do64.float()), ref_grads, strict=True)
         ]
         if fn is plain:
             budget = [2 * e for e in errs]
@@ -299,13 +331,16 @@ def test_key_tile_groups_give_the_online_softmax_values(monkeypatch, budget, cau
         close(a, b, 1e-12)
     assert frame[["product", "q_tile", "k_tile"]].equals(frame2[["product", "q_tile", "k_tile"]])
     stats = frame.select_dtypes("number").to_numpy()
-    assert np.allclose(stats, frame2.select_dtypes("number").to_numpy(), rtol=1e-9, atol=1e-9, equal_nan=True)
+    assert np.allclose(
+        stats, frame2.select_dtypes("number").to_numpy(), rtol=1e-9, atol=1e-9, equal_nan=True
+    )
 
 
-# -- every operand is fake_quantize of that operand ---------------------------------------------
+# -- every operand is fake_quantize of that operand ------------------------------------------------
 # deterministic ones: stochastic rounding is checked with its draws in test_stochastic_*
 SPECS = [
-    s.name for s in BLOCK_FORMATS
+    s.name
+    for s in BLOCK_FORMATS
     if s.rounding.value != "stochastic" and (s.hadamard or 1) <= 32 and s.correction.value == "none"
 ]
 
@@ -323,7 +358,10 @@ def test_quantize_operand_is_fake_quantize_bit_for_bit(name, axis):
 @pytest.mark.parametrize("name", SPECS)
 def test_per_tile_quantization_is_fake_quantize_of_each_tile(name):
     spec = get(name)
-    tiles = rand(2, 3, 32, 64, dtype=torch.float32, seed=12) * rand(2, 3, 1, 1, dtype=torch.float32, seed=13).exp()
+    tiles = (
+        rand(2, 3, 32, 64, dtype=torch.float32, seed=12)
+        * rand(2, 3, 1, 1, dtype=torch.float32, seed=13).exp()
+    )
     got = quantize_operand(tiles, spec, axis=-1, per_tile=True).values
     for b in range(2):
         for h in range(3):
@@ -340,14 +378,23 @@ def test_stochastic_rounding_draws_as_fake_quantize_does():
 
 
 SINGLE_TILE_RECIPES = [
-    "exact", "bf16", "fp8_per_tensor", "fa4fp4_causal", "nvfp4", "mxfp4", "nvfp4_2d",
-    "fa3_fp8_noincoherent", "fwd_only_quantized_qk",
+    "exact",
+    "bf16",
+    "fp8_per_tensor",
+    "fa4fp4_causal",
+    "nvfp4",
+    "mxfp4",
+    "nvfp4_2d",
+    "fa3_fp8_noincoherent",
+    "fwd_only_quantized_qk",
 ]
 
 
 def single_tile_recipe(name):
     if name == "fa3_fp8_noincoherent":
-        return dataclasses.replace(resolve_recipe("fa3_fp8"), name=name, incoherent_processing=False)
+        return dataclasses.replace(
+            resolve_recipe("fa3_fp8"), name=name, incoherent_processing=False
+        )
     if name == "fwd_only_quantized_qk":  # backward rebuilds P from Q^, K^ but multiplies exactly
         return AttentionRecipe(name=name, q="nvfp4", k="mxfp4", backward_p=BackwardP.QUANTIZED_QK)
     return resolve_recipe(name)
@@ -382,18 +429,27 @@ def test_per_tile_p_scale_does_not_couple_batch_entries():
         assert torch.equal(a[0], b[0]) != coupled and not torch.equal(a[1], b[1])
 
 
-# -- each preset's defining behaviour ---------------------------------------------------------------
+# -- each preset's defining behaviour --------------------------------------------------------------
 def test_fa3_incoherent_processing_cancels_and_spreads_outliers():
     q, k, v = qkv(1, 2, 2, 128, 128, 64, seed=40)
-    unquantized = dataclasses.replace(resolve_recipe("fa3_fp8_paper"), name="rot", q=None, k=None, v=None, p=None)
+    unquantized = dataclasses.replace(
+        resolve_recipe("fa3_fp8_paper"), name="rot", q=None, k=None, v=None, p=None
+    )
     close(attention(q, k, v, unquantized), attention(q, k, v), 1e-12)
     # FlashAttention-3's outlier inputs: N(0,1) + N(0,100) * Bernoulli(0.001)
     g = torch.Generator().manual_seed(41)
-    heavy = lambda: torch.randn(1, 2, 256, 64, generator=g, dtype=F64) + 10 * torch.randn(1, 2, 256, 64, generator=g, dtype=F64) * (torch.rand(1, 2, 256, 64, generator=g) < 1e-3)  # noqa: E731
+    heavy = lambda: (
+        torch.randn(1, 2, 256, 64, generator=g, dtype=F64)
+        + 10
+        * torch.randn(1, 2, 256, 64, generator=g, dtype=F64)
+        * (torch.rand(1, 2, 256, 64, generator=g) < 1e-3)
+    )  # noqa: E731
     q, k, v = heavy(), heavy(), heavy()
     exact = attention(q, k, v)
     err = lambda r: ((attention(q, k, v, r) - exact).norm() / exact.norm()).item()  # noqa: E731
-    plain = dataclasses.replace(resolve_recipe("fa3_fp8_paper"), name="no_rot", incoherent_processing=False)
+    plain = dataclasses.replace(
+        resolve_recipe("fa3_fp8_paper"), name="no_rot", incoherent_processing=False
+    )
     assert err("fa3_fp8_paper") < err(plain)
 
 
@@ -404,21 +460,35 @@ def test_fa3_needs_a_power_of_two_head_dim():
 
 
 def test_sageattn3_smoothing_leaves_the_unquantized_output_unchanged():
-    smooth = dataclasses.replace(resolve_recipe("sageattn3"), name="smooth_only", q=None, k=None, p=None, v=None, p_quant=PQuant.SPEC)
+    smooth = dataclasses.replace(
+        resolve_recipe("sageattn3"),
+        name="smooth_only",
+        q=None,
+        k=None,
+        p=None,
+        v=None,
+        p_quant=PQuant.SPEC,
+    )
     q, k, v = (x.requires_grad_() for x in qkv(2, 2, 1, 50, 70, 64, seed=42))
-    k_shifted = (k + 5.0).detach().requires_grad_()  # a large common offset, which smoothing removes
+    k_shifted = (
+        (k + 5.0).detach().requires_grad_()
+    )  # a large common offset, which smoothing removes
     do = rand(2, 2, 50, 64, seed=43)
     for causal in (False, True):
         out = attention(q, k_shifted, v, smooth, causal=causal, block_m=16, block_n=32)
         ref = attention(q, k_shifted, v, causal=causal)
         close(out, ref, 1e-12)
-        for g, r in zip(grads(out, (q, k_shifted, v), do), grads(ref, (q, k_shifted, v), do), strict=True):
+        for g, r in zip(
+            grads(out, (q, k_shifted, v), do), grads(ref, (q, k_shifted, v), do), strict=True
+        ):
             close(g, r, 1e-11)
     # quantized, the smoothing removes what the offset costs FP4
     q, k, v = qkv(1, 2, 2, 64, 64, 64, seed=44)
     exact = attention(q, k + 5.0, v)
     err = lambda r: ((attention(q, k + 5.0, v, r) - exact).norm() / exact.norm()).item()  # noqa: E731
-    assert err("sageattn3") < err(dataclasses.replace(resolve_recipe("sageattn3"), name="unsmoothed", smooth_k="none"))
+    assert err("sageattn3") < err(
+        dataclasses.replace(resolve_recipe("sageattn3"), name="unsmoothed", smooth_k="none")
+    )
 
 
 def test_sageattn3_paper_two_level_p_maps_each_row_max_to_448_times_6():
@@ -467,9 +537,22 @@ def test_attn_qat_dropin_backward_recomputes_p_from_unquantized_qk():
     q, k, v = (x.requires_grad_() for x in qkv(1, 2, 2, 40, 48, 32, seed=48))
     do = rand(1, 2, 40, 32, seed=49)
     out = attention(q, k, v, recipe, block_m=64, block_n=64)
-    s_q = fake_quantize(q.detach(), recipe.q) @ fake_quantize(k.detach(), recipe.k).transpose(-1, -2) / math.sqrt(32)
+    s_q = (
+        fake_quantize(q.detach(), recipe.q)
+        @ fake_quantize(k.detach(), recipe.k).transpose(-1, -2)
+        / math.sqrt(32)
+    )
     lse = torch.logsumexp(s_q, -1, keepdim=True)  # the forward's lse: unquantized P of S^
-    want = dense_backward(q.detach(), k.detach(), v.detach(), do, out.detach(), lse, dataclasses.replace(recipe, p=None, q=None, k=None, v=None, p_quant=PQuant.SPEC), False)
+    want = dense_backward(
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        do,
+        out.detach(),
+        lse,
+        dataclasses.replace(recipe, p=None, q=None, k=None, v=None, p_quant=PQuant.SPEC),
+        False,
+    )
     got = grads(out, (q, k, v), do)
     for g, w in zip(got, want, strict=True):
         close(g, w, 1e-11)
@@ -481,7 +564,9 @@ def test_attn_qat_dropin_backward_recomputes_p_from_unquantized_qk():
 def test_row_correction_makes_outputs_convex_combinations_of_v(name):
     q, k, _ = qkv(1, 2, 2, 70, 90, 64, seed=50)
     ones = torch.ones(1, 2, 90, 64, dtype=F64)  # MXFP4 and NVFP4 hold 1 exactly
-    out = attention(q, k, ones, name, causal=name != "fa4fp4_directp", block_m=32, block_n=32, generator=0)
+    out = attention(
+        q, k, ones, name, causal=name != "fa4fp4_directp", block_m=32, block_n=32, generator=0
+    )
     close(out, torch.ones_like(out), 1e-12)
     without = attention(q, k, ones, "attn_qat", block_m=32, block_n=32)  # l sums unquantized P
     assert (without - 1).abs().max() > 1e-3
@@ -504,14 +589,19 @@ def test_direct_p_affine_code_map():
     # one row, two blocks of 32, each: log2 P = 0, -1, -2, -3, then very small
     log2p = torch.tensor(([0.0, -1.0, -2.0, -3.0] + [-40.0] * 28) * 2, dtype=F64)
     s = (log2p / math.log2(math.e)).view(1, 1, 1, 1, 1, 64)
-    p_hat = _direct_p(s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), recipe, counts=False).values.flatten()
+    p_hat = _direct_p(
+        s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), recipe, counts=False
+    ).values.flatten()
     # block 0, exact exp2: 6 P = 6, 3, 1.5 are E2M1 values; 0.75 ties between 0.5 and 1 -> 1
     assert p_hat[:4].tolist() == [1.0, 0.5, 0.25, 1 / 6]
-    # block 1, affine: x = log2 P + log2 6; u = 1.5 x + 1.2 -> 5.08, 3.58, 2.08, 0.58 -> 6, 4, 2, 0.5
+    # block 1, affine: x = log2 P + log2 6; u = 1.5 x + 1.2 -> 5.08, 3.58, 2.08, 0.58
+    # -> E2M1 6, 4, 2, 0.5
     assert p_hat[32:36].tolist() == [1.0, 4 / 6, 2 / 6, 0.5 / 6]
     assert p_hat[4:32].eq(0).all() and p_hat[36:].eq(0).all()
     everywhere = dataclasses.replace(recipe, name="affine_all", direct_p_affine_groups=None)
-    p_all = _direct_p(s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), everywhere, counts=False).values.flatten()
+    p_all = _direct_p(
+        s, torch.zeros(1, 1, 1, 1, 1, dtype=F64), everywhere, counts=False
+    ).values.flatten()
     assert p_all[:4].tolist() == p_all[32:36].tolist() == [1.0, 4 / 6, 2 / 6, 0.5 / 6]
 
 
@@ -521,7 +611,11 @@ def test_direct_p_values_are_power_of_two_times_e2m1_over_6():
     m = s.amax(-1)
     p_hat = _direct_p(s, m, resolve_recipe("fa4fp4_causal_mxfp4pv"), counts=False).values
     blocks = p_hat.view(16, 2, 32)
-    alpha = torch.exp2(torch.ceil(torch.log2(torch.exp(s - m.unsqueeze(-1)).view(16, 2, 32).amax(-1, keepdim=True))))
+    alpha = torch.exp2(
+        torch.ceil(
+            torch.log2(torch.exp(s - m.unsqueeze(-1)).view(16, 2, 32).amax(-1, keepdim=True))
+        )
+    )
     codes = blocks * 6 / alpha
     assert torch.isin(codes, FP4_E2M1.values.to(F64)).all()
 
@@ -529,7 +623,9 @@ def test_direct_p_values_are_power_of_two_times_e2m1_over_6():
 def test_fa4fp4_causal_e5m2_do_flushes_less_than_e4m3():
     q, k, v = (x.requires_grad_() for x in qkv(1, 2, 2, 64, 64, 64, seed=53))
     g = torch.Generator().manual_seed(54)
-    do = torch.randn(1, 2, 64, 64, generator=g, dtype=F64) * torch.exp2(-20 * torch.rand(1, 2, 64, 64, generator=g, dtype=F64))
+    do = torch.randn(1, 2, 64, 64, generator=g, dtype=F64) * torch.exp2(
+        -20 * torch.rand(1, 2, 64, 64, generator=g, dtype=F64)
+    )
     recipe = resolve_recipe("fa4fp4_causal")
     e4m3 = dataclasses.replace(recipe, name="e4m3_do", dv_do=get("fp8_e4m3_tensor"))
     flushed = {}
@@ -543,14 +639,24 @@ def test_fa4fp4_causal_e5m2_do_flushes_less_than_e4m3():
 
 
 def test_fa4fp4_backward_rebuilds_p_from_the_quantized_qk():
-    recipe = dataclasses.replace(resolve_recipe("fa4fp4_causal"), name="nvfp4qk_exact_rest", p=None, v=None, **{f: None for f in ("dv_p", "dv_do", "dp_do", "dp_v", "dq_ds", "dq_k", "dk_ds", "dk_q")})
+    recipe = dataclasses.replace(
+        resolve_recipe("fa4fp4_causal"),
+        name="nvfp4qk_exact_rest",
+        p=None,
+        v=None,
+        **{f: None for f in ("dv_p", "dv_do", "dp_do", "dp_v", "dq_ds", "dq_k", "dk_ds", "dk_q")},
+    )
     q, k, v = (x.requires_grad_() for x in qkv(1, 2, 2, 48, 48, 64, seed=55))
     do = rand(1, 2, 48, 64, seed=56)
     out = attention(q, k, v, recipe, causal=True, block_m=16, block_n=16)
     # softmax(S^) V with S^ from the quantized Q, K; dQ = dS K and dK = dS^T Q multiply the
     # unquantized operands (the backward fields are None), as an autograd graph:
     s = q @ k.transpose(-1, -2) / 8.0
-    s_hat = fake_quantize(q.detach(), "nvfp4_1level") @ fake_quantize(k.detach(), "nvfp4_1level").transpose(-1, -2) / 8.0
+    s_hat = (
+        fake_quantize(q.detach(), "nvfp4_1level")
+        @ fake_quantize(k.detach(), "nvfp4_1level").transpose(-1, -2)
+        / 8.0
+    )
     s = (s + (s_hat - s).detach()).masked_fill(~causal_mask(48, 48), -math.inf)
     ref = s.softmax(-1) @ v
     close(out, ref, 1e-12)
@@ -576,13 +682,26 @@ def test_croissattn_rounds_the_backward_stochastically_and_reproducibly():
 
 @given(
     # (croissattn_eden's Hadamard transforms of 128 need tiles and head_dim of 128: tested apart)
-    name=st.sampled_from([r.name for r in PRESETS if r.name != "croissattn_eden"] + ["nvfp4", "mxfp4", "nvfp4_2d"]),
-    hk=st.integers(1, 2), group=st.integers(1, 2), sq=st.integers(1, 70), sk=st.integers(1, 70),
-    d=st.sampled_from([32, 64]), causal=st.booleans(), bm=st.sampled_from([32, 64]),
-    bn=st.sampled_from([32, 64]), seed=st.integers(0, 2**16),
+    name=st.sampled_from(
+        [r.name for r in PRESETS if r.name != "croissattn_eden"] + ["nvfp4", "mxfp4", "nvfp4_2d"]
+    ),
+    hk=st.integers(1, 2),
+    group=st.integers(1, 2),
+    sq=st.integers(1, 70),
+    sk=st.integers(1, 70),
+    d=st.sampled_from([32, 64]),
+    causal=st.booleans(),
+    bm=st.sampled_from([32, 64]),
+    bn=st.sampled_from([32, 64]),
+    seed=st.integers(0, 2**16),
 )
-def test_every_recipe_runs_finite_and_reproducibly(name, hk, group, sq, sk, d, causal, bm, bn, seed):
-    q, k, v = (x.requires_grad_() for x in qkv(1, hk * group, hk, sq, sk, d, dtype=torch.float32, seed=seed))
+def test_every_recipe_runs_finite_and_reproducibly(
+    name, hk, group, sq, sk, d, causal, bm, bn, seed
+):
+    q, k, v = (
+        x.requires_grad_()
+        for x in qkv(1, hk * group, hk, sq, sk, d, dtype=torch.float32, seed=seed)
+    )
     do = rand(1, hk * group, sq, d, dtype=torch.float32, seed=seed + 3)
     results = []
     for _ in range(2):
@@ -594,7 +713,7 @@ def test_every_recipe_runs_finite_and_reproducibly(name, hk, group, sq, sk, d, c
     assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(g, g2, strict=True))
 
 
-# -- NaN and bad input -------------------------------------------------------------------------------
+# -- NaN and bad input -----------------------------------------------------------------------------
 @pytest.mark.parametrize("recipe", ["exact", "mxfp4"])
 def test_nan_in_q_reaches_only_its_row(recipe):
     q, k, v = qkv(1, 1, 1, 40, 40, 32, seed=60)
@@ -688,7 +807,9 @@ def test_patch_sdpa_routes_a_model_through_the_recipe():
             routed, _ = mha(x, x, x, need_weights=False)
             q, k, v = qkv(1, 2, 2, 9, 9, 32, seed=71)
             direct = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            assert torch.equal(direct, attention(q, k, v, "nvfp4", causal=True, block_m=16, block_n=16))
+            assert torch.equal(
+                direct, attention(q, k, v, "nvfp4", causal=True, block_m=16, block_n=16)
+            )
             with pytest.raises(ValueError, match="dropout"):
                 F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
     assert F.scaled_dot_product_attention is original

@@ -41,7 +41,9 @@ def test_attention_sink_draws_the_documented_score():
 def test_outlier_channels_and_heavy_tails():
     cfg = SyntheticConfig(batch=1, heads=2, seq=4096, head_dim=64, seed=2)
     x = synthetic_inputs(cfg)
-    channel_rms = x.q[..., :-1].double().square().mean(dim=(0, 1, 2)).sqrt()  # the sink channel aside
+    channel_rms = (
+        x.q[..., :-1].double().square().mean(dim=(0, 1, 2)).sqrt()
+    )  # the sink channel aside
     big = channel_rms > 2
     assert big.sum() == cfg.outlier_channels
     v = x.v[..., 1:, :].double() / x.v[..., 1:, :].double().std(dim=-2, keepdim=True)
@@ -50,8 +52,17 @@ def test_outlier_channels_and_heavy_tails():
     assert x.do.abs().median() < 10 * cfg.do_scale
 
 
-@pytest.mark.parametrize("field, value", [("seq", 0), ("heads", 3.0), ("kv_heads", 3), ("outlier_channels", 64),
-                                          ("v_dof", 2), ("dtype", "float16")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("seq", 0),
+        ("heads", 3.0),
+        ("kv_heads", 3),
+        ("outlier_channels", 64),
+        ("v_dof", 2),
+        ("dtype", "float16"),
+    ],
+)
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SyntheticConfig(**{**SMALL, "head_dim": 64, field: value})
@@ -78,7 +89,9 @@ def test_optional_do_drawn_from_the_seed(tmp_path):
 
 def test_bfloat16_becomes_float32(tmp_path):
     x = synthetic_inputs(**SMALL)
-    y = load_inputs(save_inputs(tmp_path / "a.safetensors", *(t.bfloat16() for t in (x.q, x.k, x.v))))
+    y = load_inputs(
+        save_inputs(tmp_path / "a.safetensors", *(t.bfloat16() for t in (x.q, x.k, x.v)))
+    )
     assert y.q.dtype == torch.float32 and torch.equal(y.q, x.q.bfloat16().float())
 
 
@@ -89,13 +102,16 @@ def test_missing_key_is_named_with_the_keys_present(tmp_path):
         load_inputs(path)
 
 
-@pytest.mark.parametrize("arrays, match", [
-    (dict(q=(1, 1, 4, 8), k=(1, 1, 4, 8), v=(1, 1, 5, 8)), "'k' and 'v'"),
-    (dict(q=(1, 4, 8), k=(1, 1, 4, 8), v=(1, 1, 4, 8)), "'q'.*4-D"),
-    (dict(q=(1, 3, 4, 8), k=(1, 2, 4, 8), v=(1, 2, 4, 8)), "multiple"),
-    (dict(q=(1, 1, 4, 8), k=(1, 1, 4, 16), v=(1, 1, 4, 8)), "head_dim"),
-    (dict(q=(1, 1, 4, 8), k=(1, 1, 4, 8), v=(1, 1, 4, 8), do=(1, 1, 4, 7)), "'do'"),
-])
+@pytest.mark.parametrize(
+    "arrays, match",
+    [
+        (dict(q=(1, 1, 4, 8), k=(1, 1, 4, 8), v=(1, 1, 5, 8)), "'k' and 'v'"),
+        (dict(q=(1, 4, 8), k=(1, 1, 4, 8), v=(1, 1, 4, 8)), "'q'.*4-D"),
+        (dict(q=(1, 3, 4, 8), k=(1, 2, 4, 8), v=(1, 2, 4, 8)), "multiple"),
+        (dict(q=(1, 1, 4, 8), k=(1, 1, 4, 16), v=(1, 1, 4, 8)), "head_dim"),
+        (dict(q=(1, 1, 4, 8), k=(1, 1, 4, 8), v=(1, 1, 4, 8), do=(1, 1, 4, 7)), "'do'"),
+    ],
+)
 def test_bad_shapes_are_named(tmp_path, arrays, match):
     path = tmp_path / "a.npz"
     np.savez(path, **{n: np.zeros(s, np.float32) for n, s in arrays.items()})
@@ -117,7 +133,9 @@ def test_pickle_is_refused(tmp_path):
 
 def test_integer_arrays_and_broken_files(tmp_path):
     path = tmp_path / "a.npz"
-    np.savez(path, q=np.zeros((1, 1, 4, 8), np.int32), k=np.zeros((1, 1, 4, 8)), v=np.zeros((1, 1, 4, 8)))
+    np.savez(
+        path, q=np.zeros((1, 1, 4, 8), np.int32), k=np.zeros((1, 1, 4, 8)), v=np.zeros((1, 1, 4, 8))
+    )
     with pytest.raises(ValueError, match="'q'.*floating point"):
         load_inputs(path)
     (tmp_path / "b.npz").write_bytes(b"not a zip")

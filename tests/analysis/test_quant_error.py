@@ -26,7 +26,11 @@ def test_shape_mismatch_names_the_argument():
 
 
 def test_standard_inputs_are_seeded():
-    a, b, c = standard_inputs(4, 32, seed=1), standard_inputs(4, 32, seed=1), standard_inputs(4, 32, seed=2)
+    a, b, c = (
+        standard_inputs(4, 32, seed=1),
+        standard_inputs(4, 32, seed=1),
+        standard_inputs(4, 32, seed=2),
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["gaussian"], c["gaussian"])
     rows = a["gaussian_logspaced"].abs().amax(1)
@@ -35,7 +39,9 @@ def test_standard_inputs_are_seeded():
 
 def test_report_orders_recipes_as_expected():
     """FP8 beats FP4 by about two effective bits, and NVFP4 beats MXFP4 on Gaussians."""
-    frame = error_report(["mxfp4", "nvfp4", "mxfp8_e4m3"], rows=32, cols=1024).set_index(["input", "recipe"])
+    frame = error_report(["mxfp4", "nvfp4", "mxfp8_e4m3"], rows=32, cols=1024).set_index(
+        ["input", "recipe"]
+    )
     bits = frame.loc["gaussian", "effective_bits"]
     assert bits["mxfp8_e4m3"] > bits["nvfp4"] + 1.5 > bits["mxfp4"] + 1.5
     assert frame.loc["gaussian", "misalignment"]["mxfp4"] > 0  # floor scales clip: a shrink

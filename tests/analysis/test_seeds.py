@@ -50,7 +50,11 @@ def test_trace_of_a_straight_through_stochastic_recipe():
     """Its counts depend on scales only, so they equal the round-to-nearest recipe's."""
     sr = formats.get("nvfp4_sr")
     recipe = AttentionRecipe(
-        name="st_sr", q=sr, k=sr, v=sr, backward=BackwardMode.STRAIGHT_THROUGH,
+        name="st_sr",
+        q=sr,
+        k=sr,
+        v=sr,
+        backward=BackwardMode.STRAIGHT_THROUGH,
         delta=DeltaSource.UNQUANTIZED_P_OUTPUT,
     )
     nearest = dataclasses.replace(recipe, name="st_rn", q="nvfp4", k="nvfp4", v="nvfp4")
@@ -61,9 +65,13 @@ def test_trace_of_a_straight_through_stochastic_recipe():
         trace = Trace()
         attention(q, k, v, r, trace=trace, generator=3, block_m=32, block_n=32).backward(do)
         frames.append(trace.to_frame())
-    columns = [c for c in frames[0].columns if c.endswith(("clipped", "scale_underflow", "scale_overflow"))]
+    columns = [
+        c for c in frames[0].columns if c.endswith(("clipped", "scale_underflow", "scale_overflow"))
+    ]
     assert columns
-    backward = [f[f["product"].isin(["dp", "dq", "dk"])][columns].reset_index(drop=True) for f in frames]
+    backward = [
+        f[f["product"].isin(["dp", "dq", "dk"])][columns].reset_index(drop=True) for f in frames
+    ]
     pd.testing.assert_frame_equal(backward[0], backward[1])
 
 
@@ -86,8 +94,26 @@ def test_delta_comes_from_the_returned_bf16_output():
 MX_SR = dataclasses.replace(formats.get("mxfp4"), name="mxfp4_sr", rounding="stochastic")
 # Every operand of every product rounds stochastically; MX blocks have no tensor scale, so a
 # (batch, head)'s values do not depend on the other heads.
-ALL_SR = AttentionRecipe(name="all_mxfp4_sr", **{f: MX_SR for f in (
-    "q", "k", "v", "p", "dv_p", "dv_do", "dp_do", "dp_v", "dq_ds", "dq_k", "dk_ds", "dk_q")})
+ALL_SR = AttentionRecipe(
+    name="all_mxfp4_sr",
+    **{
+        f: MX_SR
+        for f in (
+            "q",
+            "k",
+            "v",
+            "p",
+            "dv_p",
+            "dv_do",
+            "dp_do",
+            "dp_v",
+            "dq_ds",
+            "dq_k",
+            "dk_ds",
+            "dk_q",
+        )
+    },
+)
 
 
 def sr_run(q, k, v, do, seed=7, **kw):

@@ -11,8 +11,21 @@ from fp4lab.formats import FP8_E4M3FN, fake_quantize, round_to_format
 from fp4lab.recipes import OPERAND_COLUMNS, OUT_COLUMNS, PRODUCT_COLUMNS, AttentionRecipe, Trace
 from tests.analysis.test_flash import causal_mask, qkv, rand
 
-ID_COLUMNS = ["call", "recipe", "product", "a_name", "b_name", "batch", "head", "kv_head", "q_tile", "k_tile"]
-STAT_COLUMNS = [f"{s}_{c}" for s in "ab" for c in OPERAND_COLUMNS] + list(PRODUCT_COLUMNS) + list(OUT_COLUMNS)
+ID_COLUMNS = [
+    "call",
+    "recipe",
+    "product",
+    "a_name",
+    "b_name",
+    "batch",
+    "head",
+    "kv_head",
+    "q_tile",
+    "k_tile",
+]
+STAT_COLUMNS = (
+    [f"{s}_{c}" for s in "ab" for c in OPERAND_COLUMNS] + list(PRODUCT_COLUMNS) + list(OUT_COLUMNS)
+)
 
 
 def traced(q, k, v, recipe="exact", do=None, **kw):
@@ -42,7 +55,9 @@ def test_frame_schema_rows_and_heads():
     assert (rows(frame, "out")["k_tile"] == -1).all()
     frame, _ = traced(q, k, v, "nvfp4", do=rand(2, 4, 40, 32), block_m=16, block_n=32)
     assert set(frame["product"]) == {"qk", "pv", "dv", "dp", "dq", "dk", "out"}
-    names = {p: tuple(rows(frame, p).iloc[0][["a_name", "b_name"]]) for p in ("dv", "dp", "dq", "dk")}
+    names = {
+        p: tuple(rows(frame, p).iloc[0][["a_name", "b_name"]]) for p in ("dv", "dp", "dq", "dk")
+    }
     assert names == {"dv": ("p", "do"), "dp": ("do", "v"), "dq": ("ds", "k"), "dk": ("ds", "q")}
 
 
@@ -61,7 +76,10 @@ def test_calls_are_numbered_and_empty_trace_has_the_columns():
     attention(q, k, v, trace=trace)
     attention(q, k, v, "nvfp4", trace=trace)
     frame = trace.to_frame()
-    assert sorted(set(zip(frame["call"], frame["recipe"], strict=True))) == [(0, "exact"), (1, "nvfp4")]
+    assert sorted(set(zip(frame["call"], frame["recipe"], strict=True))) == [
+        (0, "exact"),
+        (1, "nvfp4"),
+    ]
     with pytest.raises(ValueError, match="reference_dtype"):
         Trace(reference_dtype=torch.float16)
 
@@ -76,7 +94,11 @@ def test_exact_recipe_reports_no_quantization_error():
     assert tiles["prod_err"].max() < 1e-13
     assert (rows(frame, "pv")["p_mass_lost"] == 0).all()
     out = rows(frame, "out")
-    assert (out["row_sum_err"] == 0).all() and out["lse_err"].max() < 1e-13 and out["out_err"].max() < 1e-13
+    assert (
+        (out["row_sum_err"] == 0).all()
+        and out["lse_err"].max() < 1e-13
+        and out["out_err"].max() < 1e-13
+    )
 
 
 def test_operand_error_is_the_relative_frobenius_error_of_fake_quantize():
@@ -109,7 +131,9 @@ def test_flushed_fraction_and_lost_probability_mass_of_e4m3_p():
     assert flushed.any()
     for i, row in rows(frame, "pv").set_index("q_tile").iterrows():
         tile = slice(16 * i, 16 * (i + 1))
-        assert row["a_flushed"] == pytest.approx(flushed[0, 0, tile].double().mean().item(), rel=1e-12)
+        assert row["a_flushed"] == pytest.approx(
+            flushed[0, 0, tile].double().mean().item(), rel=1e-12
+        )
         mass = torch.where(flushed, a, 0.0)[0, 0, tile].sum(-1).mean()
         # the forward normalises by its own lse: sum of the unquantized P (same as softmax)
         assert row["p_mass_lost"] == pytest.approx(mass.item(), rel=1e-9)
@@ -146,13 +170,20 @@ def test_clipped_counts_the_saturation_of_ocp_floor_scales():
     assert row["b_clipped"] == 0
 
 
-@pytest.mark.parametrize("magnitude, column", [(1e-5, "a_scale_underflow"), (1e4, "a_scale_overflow")])
+@pytest.mark.parametrize(
+    "magnitude, column", [(1e-5, "a_scale_underflow"), (1e4, "a_scale_overflow")]
+)
 def test_block_scales_out_of_the_scale_formats_range(magnitude, column):
     q, k, v = (x * s for x, s in zip(qkv(1, 1, 1, 16, 16, 32), (magnitude, 1.0, 1.0), strict=True))
-    one_level, _ = traced(q, k, v, AttentionRecipe(name="q_1l", q="nvfp4_1level"), block_m=16, block_n=16)
+    one_level, _ = traced(
+        q, k, v, AttentionRecipe(name="q_1l", q="nvfp4_1level"), block_m=16, block_n=16
+    )
     assert rows(one_level, "qk")[column].iloc[0] == 1.0
     two_level, _ = traced(q, k, v, AttentionRecipe(name="q_2l", q="nvfp4"), block_m=16, block_n=16)
-    assert rows(two_level, "qk")[["a_scale_underflow", "a_scale_overflow"]].iloc[0].tolist() == [0.0, 0.0]
+    assert rows(two_level, "qk")[["a_scale_underflow", "a_scale_overflow"]].iloc[0].tolist() == [
+        0.0,
+        0.0,
+    ]
 
 
 def test_nan_is_counted_in_its_tile():
@@ -172,7 +203,9 @@ def test_backward_statistics_of_an_exact_run_and_of_quantized_ds():
     frame, _ = traced(q, k, v, do=do, block_m=16, block_n=16)
     backward = frame[frame["product"].isin(["dv", "dp", "dq", "dk"])]
     assert backward["prod_err"].max() < 1e-13 and (backward["a_err"] == 0).all()
-    frame, _ = traced(q, k, v, AttentionRecipe(name="ds_mx", dq_ds="mxfp4"), do=do, block_m=16, block_n=32)
+    frame, _ = traced(
+        q, k, v, AttentionRecipe(name="ds_mx", dq_ds="mxfp4"), do=do, block_m=16, block_n=32
+    )
     assert (rows(frame, "dq")["a_err"] > 0).all() and (rows(frame, "dk")["a_err"] == 0).all()
     assert (rows(frame, "dq")["prod_err"] > 0).all() and rows(frame, "dk")["prod_err"].max() < 1e-13
 
@@ -180,7 +213,9 @@ def test_backward_statistics_of_an_exact_run_and_of_quantized_ds():
 def test_generator_seed_and_call_metadata_are_recorded():
     trace = Trace(reference_dtype=torch.float32)
     q, k, v = qkv(1, 2, 1, 8, 8, 32)
-    attention(q, k, v, "croissattn", trace=trace, generator=1234, causal=True, block_m=32, block_n=32)
+    attention(
+        q, k, v, "croissattn", trace=trace, generator=1234, causal=True, block_m=32, block_n=32
+    )
     meta = trace.calls[0].meta
     assert meta["seed"] == 1234 and meta["causal"] and meta["block_m"] == 32
     assert meta["reference_dtype"] is torch.float32
@@ -216,7 +251,11 @@ def test_float32_reference_agrees_with_float64_where_errors_are_large():
 
 
 def test_reference_dtype_defaults_to_the_working_precision():
-    for dtype, expected in ((torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+    for dtype, expected in (
+        (torch.float64, torch.float64),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+    ):
         trace = Trace()
         q, k, v = qkv(1, 1, 1, 8, 8, 32, dtype=dtype)
         attention(q, k, v, "nvfp4", trace=trace)
@@ -234,11 +273,16 @@ def test_gram_errors_of_qk_and_dp_equal_the_direct_comparison():
     for mask in (None, torch.ones(64, 96, dtype=torch.bool)):
         trace = Trace(reference_dtype=torch.float64)
         q_, k_, v_ = (x.detach().float().requires_grad_() for x in (q, k, v))
-        attention(q_, k_, v_, "nvfp4", trace=trace, attn_mask=mask, block_m=32, block_n=32).backward(do.float())
+        attention(
+            q_, k_, v_, "nvfp4", trace=trace, attn_mask=mask, block_m=32, block_n=32
+        ).backward(do.float())
         frames.append(trace.to_frame())
     gram, direct = frames
     for product in ("qk", "dp"):
-        a, b = rows(gram, product)["prod_err"].to_numpy(), rows(direct, product)["prod_err"].to_numpy()
+        a, b = (
+            rows(gram, product)["prod_err"].to_numpy(),
+            rows(direct, product)["prod_err"].to_numpy(),
+        )
         assert (b > 1e-2).all() and abs(a / b - 1).max() < 1e-5
     for product in ("pv", "dv", "dq", "dk"):
         assert rows(gram, product)["prod_err"].equals(rows(direct, product)["prod_err"])

@@ -19,10 +19,24 @@ from fp4lab.recipes import (
 )
 
 PRESET_NAMES = [
-    "exact", "flash_bf16", "fp8_per_tensor", "fa3_fp8", "fa3_fp8_paper", "sageattn3",
-    "sageattn3_paper", "attn_qat", "attn_qat_kernel", "attn_qat_dropin", "fa4fp4_causal",
-    "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64", "fa4fp4_causal_mxfp4pv_fixed",
-    "fa4fp4_causal_mxfp8pv", "fa4fp4_directp", "croissattn", "croissattn_eden",
+    "exact",
+    "flash_bf16",
+    "fp8_per_tensor",
+    "fa3_fp8",
+    "fa3_fp8_paper",
+    "sageattn3",
+    "sageattn3_paper",
+    "attn_qat",
+    "attn_qat_kernel",
+    "attn_qat_dropin",
+    "fa4fp4_causal",
+    "fa4fp4_causal_mxfp4pv",
+    "fa4fp4_causal_mxfp4pv_d64",
+    "fa4fp4_causal_mxfp4pv_fixed",
+    "fa4fp4_causal_mxfp8pv",
+    "fa4fp4_directp",
+    "croissattn",
+    "croissattn_eden",
 ]
 
 
@@ -51,7 +65,11 @@ def test_bf16_preset_has_a_name_of_its_own():
     preset, uniform = resolve_recipe("flash_bf16"), resolve_recipe("bf16")
     for recipe in (preset, uniform):
         assert all(s is BF16 for s in (getattr(recipe, f) for p in Product for f in p.fields))
-    assert uniform.name == "bf16" and dataclasses.replace(uniform, name="flash_bf16", doc=preset.doc, source=preset.source) == preset
+    assert (
+        uniform.name == "bf16"
+        and dataclasses.replace(uniform, name="flash_bf16", doc=preset.doc, source=preset.source)
+        == preset
+    )
 
 
 def test_a_format_name_is_a_uniform_recipe():
