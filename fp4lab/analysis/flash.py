@@ -197,6 +197,7 @@ def _forward_chunk(ops: Operands, ps: Pass, chunk, observer, m_ref):
             m_ref[:, :, :, i0:i1, :, block.j0 : block.j1] = step.m_j.transpose(-1, -2)
         if watch is not None:
             watch.step(step)
+        del step  # its block temporaries, before the next block makes its own
     o, lse = sm.finish()
     if watch is not None:
         watch.finish(o, lse)
@@ -413,6 +414,7 @@ def _backward(do, fwd: Forwarded):
             dk[:, :, block.j0 : block.j1] += cfg.scale * step.dk.sum((2, 3))
             if observer is not None:
                 observer.step(step)
+            del step  # its block temporaries, before the next block makes its own
     return t.q_untile(dq), t.k_untile(dk), t.k_untile(dv)
 
 
@@ -643,9 +645,13 @@ def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **opti
     inputs (N, L, E) are treated as one head. dropout_p > 0 raises ValueError: the
     simulation has no dropout. Calls that look the function up on `torch.nn.functional`
     when they run are routed (nn.MultiheadAttention, most model code); a module that bound
-    the function to its own name before the block keeps calling the original.
+    the function to its own name before the block keeps calling the original, so a block
+    that routed no call at all ends with a RuntimeWarning saying so.
     """
+    import warnings
+
     recipe = resolve_recipe(recipe)
+    routed_calls = 0
     original = F.scaled_dot_product_attention
     if "generator" in options:  # one stream for all calls: an int seed would repeat its draws
         options["generator"] = as_generator(options["generator"])
@@ -660,6 +666,8 @@ def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **opti
         scale=None,
         enable_gqa=False,
     ):
+        nonlocal routed_calls
+        routed_calls += 1
         if dropout_p:
             raise ValueError(
                 f"dropout_p={dropout_p}: fp4lab's attention has no dropout; set it to 0"
@@ -694,3 +702,12 @@ def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **opti
         yield
     finally:
         F.scaled_dot_product_attention = original
+    if routed_calls == 0:
+        warnings.warn(
+            f"patch_sdpa({recipe.name!r}) routed no scaled_dot_product_attention call: the "
+            "code in the block either made none or calls a reference to the function bound "
+            "before the block (from torch.nn.functional import scaled_dot_product_attention), "
+            "which stays unquantized",
+            RuntimeWarning,
+            stacklevel=3,
+        )
