@@ -1,0 +1,112 @@
+"""The ``fp4lab study`` commands: list the studies, run one, rebuild a report.
+
+`add_study_commands(subparsers)` adds ``study`` to the ``fp4lab`` parser (fp4lab.cli calls
+it); each subcommand sets ``run`` to a function of the parsed arguments returning the exit
+status, as the other fp4lab commands do.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from fp4lab.backends import BACKENDS
+from fp4lab.studies.config import config_types, describe_type
+from fp4lab.studies.discovery import PRESET_NAMES, list_studies
+from fp4lab.studies.runner import rebuild_report, run_study
+
+__all__ = ["add_study_commands"]
+
+
+def add_study_commands(subparsers) -> argparse.ArgumentParser:
+    """Add ``study list``, ``study run`` and ``study report`` to an argparse subparsers
+    object; returns the ``study`` parser."""
+    study = subparsers.add_parser(
+        "study",
+        help="reproducible studies of quantized attention (list, run, report)",
+        description="Each study answers one question and writes a results folder: config, "
+        "environment, metrics (Parquet, CSV), figures and report.md.",
+    )
+    sub = study.add_subparsers(dest="study_command", required=True)
+
+    p = sub.add_parser("list", help="the studies and their questions")
+    p.add_argument(
+        "--config", action="store_true",
+        help="also list each study's config fields with their types and preset values",
+    )
+    p.set_defaults(run=cmd_list)
+
+    p = sub.add_parser(
+        "run",
+        help="run a study and write its results folder",
+        description="Run every cell of a study's sweep (resumable, spread over torchrun's "
+        "ranks when launched under torchrun) and write its results folder.",
+    )
+    p.add_argument("name", help="the study (see `fp4lab study list`)")
+    p.add_argument(
+        "--preset", choices=PRESET_NAMES, default="smoke",
+        help="smoke: seconds on a CPU, for CI; full: the published sizes (default smoke)",
+    )
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="set a field of the study's config (repeatable; lists are comma-separated, "
+        "'none' is None); `fp4lab study list --config` shows the fields",
+    )
+    p.add_argument(
+        "--out", help="results folder (default results/<study>-<preset>-<time>)"
+    )
+    p.add_argument(
+        "--device", default="cpu",
+        help="torch device: cpu, cuda or cuda:N (default cpu; under torchrun, cuda is each "
+        "rank's local GPU)",
+    )
+    p.add_argument(
+        "--backend", choices=BACKENDS, default="reference",
+        help="attention backend passed to fp4lab.attention, never replaced by another "
+        "(default reference; triton is not built yet and raises)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0,
+        help="the run's seed; every cell's seed derives from it and the cell (default 0)",
+    )
+    p.add_argument(
+        "--resume", action="store_true",
+        help="finish the run stored in --out, skipping the cells it finished",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser(
+        "report",
+        help="rebuild a results folder's report and figures from its stored metrics",
+        description="Rewrite report.md and figures/ from config.json and metrics.parquet, "
+        "computing nothing else.",
+    )
+    p.add_argument("dir", help="a study's results folder")
+    p.set_defaults(run=cmd_report)
+    return study
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    for study in list_studies():
+        print(f"{study.name}: {study.question}")
+        if args.config:
+            presets = study.module.PRESETS
+            for field, kind in config_types(study.config_type).items():
+                smoke, full = (getattr(presets[p], field) for p in PRESET_NAMES)
+                print(f"    {field} ({describe_type(kind)}): smoke {smoke!r}, full {full!r}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    out = run_study(
+        args.name, args.preset, args.overrides, out=args.out, device=args.device,
+        backend=args.backend, seed=args.seed, resume=args.resume, quiet=args.quiet,
+    )
+    print(f"Wrote {out} (report: {out / 'report.md'})")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    print(f"Wrote {rebuild_report(args.dir)}")
+    return 0
+

@@ -1,0 +1,196 @@
+"""Finding studies: one module per study in the repository's ``studies/`` folder.
+
+A study module (``studies/<name>.py``, its name the file's with ``_`` read as ``-``) defines
+
+    QUESTION: str                      the question it answers, in a sentence
+    PRESETS: {"smoke": cfg, "full": cfg}  instances of its config dataclass (see `config`)
+    cells(config) -> list[dict]        the sweep: each cell a small dict of JSON scalars
+    run_cell(config, cell, ctx) -> rows   one cell's rows (list of dicts, or a DataFrame);
+                                       ctx is a `CellContext` (device, backend, seeds)
+    report(config, metrics) -> (markdown, {name: matplotlib Figure})
+    BACKENDS (optional): the backends it can measure with (default: all of fp4lab's)
+
+Modules are imported from their files with importlib (the folder is not a package), once
+per process; a study uses only fp4lab's public API, and nothing in fp4lab imports a study
+except through this loader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import fp4lab
+from fp4lab.backends import BACKENDS
+from fp4lab.studies.config import apply_overrides, config_types
+from fp4lab.studies.folder import plain_value
+
+__all__ = [
+    "Study", "CellContext", "studies_dir", "list_studies", "load_study", "cell_key", "cell_label",
+    "PRESET_NAMES",
+]
+
+PRESET_NAMES = ("smoke", "full")
+_LOADED: dict[Path, ModuleType] = {}
+
+
+def studies_dir() -> Path:
+    """The repository's ``studies/`` folder (next to the fp4lab package)."""
+    return Path(fp4lab.__file__).resolve().parents[1] / "studies"
+
+
+@dataclass(frozen=True)
+class CellContext:
+    """What `run_cell` is given besides the config and the cell.
+
+    Attributes:
+        device: the torch device to compute on.
+        backend: the attention backend to pass to `fp4lab.attention` (never replaced).
+        seed: the run's seed, shared by every cell (draw inputs meant to be the same in
+            every cell from it).
+        cell_seed: this cell's own seed, a hash of the run's seed and the cell's parameters
+            (the same whichever rank or session runs the cell).
+        index: the cell's position in the sweep.
+    """
+
+    device: str
+    backend: str
+    seed: int
+    cell_seed: int
+    index: int
+
+
+@dataclass(frozen=True)
+class Study:
+    """A loaded study module and what the framework reads from it."""
+
+    name: str
+    path: Path
+    module: ModuleType
+
+    @property
+    def question(self) -> str:
+        return self.module.QUESTION
+
+    @property
+    def config_type(self) -> type:
+        return type(self.module.PRESETS["smoke"])
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return tuple(getattr(self.module, "BACKENDS", BACKENDS))
+
+    def resolve(self, preset: str, overrides=()) -> object:
+        """The preset's config with the ``key=value`` overrides applied and checked."""
+        if preset not in PRESET_NAMES:
+            raise ValueError(f"preset must be one of {', '.join(PRESET_NAMES)}, got {preset!r}")
+        return apply_overrides(self.module.PRESETS[preset], list(overrides))
+
+    def cells(self, config) -> list[dict]:
+        """The sweep's cells, checked: dicts of JSON scalars, no two alike."""
+        cells = [_cell_dict(c, i, self.name) for i, c in enumerate(self.module.cells(config))]
+        seen = {}
+        for i, cell in enumerate(cells):
+            key = cell_key(cell)
+            if key in seen:
+                raise ValueError(f"study {self.name}: cells {seen[key]} and {i} are the same, {key}")
+            seen[key] = i
+        return cells
+
+    def run_cell(self, config, cell: dict, ctx: CellContext) -> list[dict]:
+        """The cell's rows as dicts of JSON scalars."""
+        rows = self.module.run_cell(config, dict(cell), ctx)
+        if hasattr(rows, "to_dict"):
+            rows = rows.to_dict("records")
+        where = f"study {self.name}, cell {ctx.index}"
+        return [{str(k): plain_value(v, f"{where}, {k}") for k, v in row.items()} for row in rows]
+
+    def report(self, config, metrics):
+        """(markdown, {name: Figure}) from the study's `report`."""
+        text, figures = self.module.report(config, metrics)
+        return text, dict(figures)
+
+
+def cell_key(cell: dict) -> str:
+    """A cell's canonical text: its parameters as sorted JSON."""
+    return json.dumps(cell, sort_keys=True)
+
+
+def cell_label(cell: dict) -> str:
+    """A cell in a few words, for the progress bar."""
+    return " ".join(f"{k}={v}" for k, v in cell.items())
+
+
+def _cell_dict(cell, index: int, study: str) -> dict:
+    if dataclasses.is_dataclass(cell) and not isinstance(cell, type):
+        cell = dataclasses.asdict(cell)
+    if not isinstance(cell, dict):
+        raise TypeError(f"study {study}: cell {index} must be a dict or dataclass, got "
+                        f"{type(cell).__name__}")
+    out = {}
+    for key, value in cell.items():
+        value = plain_value(value, f"study {study}, cell {index}, {key}")
+        if not isinstance(key, str) or key in ("cell", "cell_seed"):
+            raise ValueError(f"study {study}: cell {index} has a bad key {key!r}")
+        out[key] = value
+    return out
+
+
+def _module_name(path: Path) -> str:
+    return f"fp4lab_study_{path.stem}"
+
+
+def _import(path: Path) -> ModuleType:
+    path = path.resolve()
+    if path not in _LOADED:
+        spec = importlib.util.spec_from_file_location(_module_name(path), path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses and get_type_hints look it up
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[spec.name]
+            raise
+        _check_module(module, path)
+        _LOADED[path] = module
+    return _LOADED[path]
+
+
+def _check_module(module: ModuleType, path: Path) -> None:
+    where = f"study {path.name}"
+    for attr in ("QUESTION", "PRESETS", "cells", "run_cell", "report"):
+        if not hasattr(module, attr):
+            raise TypeError(f"{where} defines no {attr}")
+    presets = module.PRESETS
+    if not isinstance(presets, dict) or set(presets) != set(PRESET_NAMES):
+        raise TypeError(f"{where}: PRESETS must have exactly the keys {PRESET_NAMES}")
+    kinds = {type(p) for p in presets.values()}
+    if len(kinds) != 1:
+        raise TypeError(f"{where}: its presets must be instances of one config dataclass")
+    config_types(kinds.pop())
+    unknown = set(getattr(module, "BACKENDS", BACKENDS)) - set(BACKENDS)
+    if unknown:
+        raise TypeError(f"{where}: BACKENDS names {sorted(unknown)}, not fp4lab backends")
+
+
+def list_studies(folder: Path | None = None) -> list[Study]:
+    """Every study in `folder` (default: the repository's ``studies/``), by name."""
+    folder = studies_dir() if folder is None else Path(folder)
+    paths = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
+    return [Study(p.stem.replace("_", "-"), p, _import(p)) for p in paths]
+
+
+def load_study(name: str, folder: Path | None = None) -> Study:
+    """The study called `name` (``quantizer-error`` is ``studies/quantizer_error.py``)."""
+    folder = studies_dir() if folder is None else Path(folder)
+    ok = isinstance(name, str) and name and not name.startswith(("_", "."))
+    path = folder / f"{name.replace('-', '_')}.py" if ok else None
+    if path is None or "/" in name or not path.is_file():
+        known = ", ".join(p.stem.replace("_", "-") for p in sorted(folder.glob("[!_]*.py")))
+        raise ValueError(f"study: unknown study {name!r}; known: {known or 'none'}")
+    return Study(name, path, _import(path))

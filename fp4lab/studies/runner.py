@@ -1,0 +1,372 @@
+"""Running a study: its cells spread over ranks, stored one by one, resumable; its report.
+
+`run_study` does, in order:
+
+1. load the study, resolve its config (a preset plus ``key=value`` overrides, checked),
+   list its cells, and check the device and the backend: every mistake in the arguments is
+   an error here, before anything is written;
+2. (rank 0) create the results folder, or, resuming, check that it holds the same study,
+   config, seed, device and backend, and find the cells still to run;
+3. run them. Under ``torchrun`` (RANK and WORLD_SIZE set) the pending cells go round-robin
+   to the ranks, one round at a time; after each round every rank's rows are gathered
+   (gloo, on the CPU) and rank 0 stores each finished cell, so a killed sweep loses at
+   most the round in flight. A cell's seed is a hash of the run's seed and the cell's
+   parameters, so neither the rank that runs it nor the session changes its numbers;
+4. (rank 0) assemble the metrics table from the stored cells in the sweep's order and write
+   it, the figures and the report (`rebuild_report` repeats only this step).
+
+The backend is checked by running a one-token `fp4lab.attention` on the device with it, so
+``backend="triton"`` raises the library's own NotImplementedError before any cell runs; a
+study that measures no attention (its BACKENDS names only "reference") refuses the others.
+Nothing falls back to another backend.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import re
+import traceback
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+import fp4lab
+from fp4lab.backends import BACKENDS
+from fp4lab.studies.config import config_from_dict, config_to_dict
+from fp4lab.studies.discovery import CellContext, Study, cell_key, cell_label, load_study
+from fp4lab.studies.folder import (
+    FIGURES,
+    atomic_write,
+    environment,
+    read_cells,
+    read_json,
+    read_metrics,
+    save_figure,
+    write_cell,
+    write_json,
+    write_metrics,
+)
+
+__all__ = ["run_study", "rebuild_report", "cell_seed"]
+
+_RESERVED = ("cell", "cell_seed")
+_SAME_RUN = ("study", "seed", "device", "backend", "config")
+
+
+def cell_seed(seed: int, cell: dict) -> int:
+    """A cell's seed: the first 60 bits of sha256 of the run's seed and the cell's parameters."""
+    digest = hashlib.sha256(f"{seed}|{cell_key(cell)}".encode()).hexdigest()
+    return int(digest[:15], 16)
+
+
+def run_study(
+    name: str,
+    preset: str = "smoke",
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    out: str | Path | None = None,
+    device: str = "cpu",
+    backend: str = "reference",
+    seed: int = 0,
+    resume: bool = False,
+    quiet: bool = False,
+    folder: str | Path | None = None,
+) -> Path:
+    """Run study `name` and write its results folder; returns the folder.
+
+    Args:
+        name: a study of `list_studies` (``quantizer-error``, ``p-operand``, ...).
+        preset: "smoke" (seconds, for CI) or "full" (the published sizes).
+        overrides: ``key=value`` strings setting fields of the study's config.
+        out: the results folder (default ``results/<study>-<preset>-<time>``).
+        device: "cpu", "cuda" or "cuda:N" (under torchrun, "cuda" is each rank's local GPU).
+        backend: "reference" or "triton", passed to `fp4lab.attention`; never replaced.
+        seed: the run's seed; every cell's seed derives from it.
+        resume: finish the run stored in `out`, skipping its finished cells.
+        quiet: no progress bar.
+        folder: where the study modules are (default: the repository's ``studies/``).
+    """
+    study = load_study(name, folder)
+    config = study.resolve(preset, overrides)
+    cells = study.cells(config)
+    _check_seed(seed)
+    ranks = _Ranks()
+    try:
+        device = _rank_device(device, ranks)
+        _check_backend(study, backend, device)
+        record = {
+            "study": study.name,
+            "preset": preset,
+            "overrides": list(overrides),
+            "seed": seed,
+            "device": _device_kind(device),
+            "backend": backend,
+            "config": config_to_dict(config),
+            "cells": len(cells),
+        }
+        setup = _on_rank0(ranks, lambda: _prepare(out, record, cells, resume, ranks.world))
+        path, pending = Path(setup[0]), setup[1]
+        _sweep(study, config, cells, pending, path, ranks, (device, backend, seed), quiet)
+        if ranks.rank == 0:
+            _finish(path, study, config, record, cells)
+        return path
+    finally:
+        ranks.close()
+
+
+def _check_seed(seed) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
+
+
+def _device_kind(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else device
+
+
+def _rank_device(device: str, ranks: _Ranks) -> str:
+    """The device string checked; "cuda" under several ranks is each rank's local GPU."""
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: torch sees no CUDA device on this machine")
+        if device == "cuda" and ranks.world > 1:
+            local = int(os.environ.get("LOCAL_RANK", ranks.rank))
+            device = f"cuda:{local % torch.cuda.device_count()}"
+    return device
+
+
+def _check_backend(study: Study, backend: str, device: str) -> None:
+    """The library's own error for a backend it lacks; the study's for one it cannot use."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    x = torch.zeros(1, 1, 1, 8, device=device)
+    fp4lab.attention(x, x, x, "exact", backend=backend)
+    if backend not in study.backends:
+        raise NotImplementedError(
+            f"backend={backend!r}: study {study.name} measures no attention call and has no "
+            f"{backend} path; it runs with backend {' or '.join(map(repr, study.backends))}"
+        )
+
+
+def _prepare(out, record: dict, cells: list[dict], resume: bool, world: int):
+    """(rank 0) The folder, created or checked, and the indices of the cells still to run."""
+    path = _default_out(record) if out is None else Path(out)
+    config_path = path / "config.json"
+    if config_path.exists():
+        if not resume:
+            raise ValueError(f"out: {path} holds a run already; pass --resume to finish it, or "
+                             "choose another --out")
+        _check_same_run(read_json(config_path), record, path)
+    elif path.exists() and any(path.iterdir()):
+        raise ValueError(f"out: {path} exists and is not a study's results folder")
+    else:
+        write_json(config_path, record)
+    done = read_cells(path)
+    for index, stored in done.items():
+        if index >= len(cells) or stored["cell"] != cells[index]:
+            raise ValueError(f"--resume: {path}/cells holds cell {index} = {stored['cell']}, "
+                             "which this study's sweep does not have there")
+    env_path = path / "environment.json"
+    sessions = read_json(env_path)["sessions"] if env_path.exists() else []
+    session = environment(record["device"], record["seed"], world)
+    session["started"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    session["cells_done_before"] = len(done)
+    write_json(env_path, {"sessions": [*sessions, session]})
+    return str(path), [i for i in range(len(cells)) if i not in done]
+
+
+def _default_out(record: dict) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = base = Path("results") / f"{record['study']}-{record['preset']}-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def _check_same_run(stored: dict, record: dict, path: Path) -> None:
+    for key in _SAME_RUN:
+        if stored.get(key) != record[key]:
+            if key == "config":
+                diff = [k for k in record[key] if stored[key].get(k) != record[key][k]]
+                raise ValueError(f"--resume: {path} was run with a different config ("
+                                 f"{', '.join(f'{k}={stored[key].get(k)!r}' for k in diff)})")
+            raise ValueError(f"--resume: {path} was run with {key}={stored.get(key)!r}, not "
+                             f"{record[key]!r}")
+
+
+def _sweep(study, config, cells, pending, path, ranks, run, quiet) -> None:
+    """Run the pending cells, a round of one cell per rank at a time; rank 0 stores them."""
+    device, backend, seed = run
+    bar = tqdm(
+        total=len(cells), initial=len(cells) - len(pending), desc=study.name, unit="cell",
+        disable=quiet or ranks.rank != 0, dynamic_ncols=True,
+    )
+    with bar:
+        for start in range(0, len(pending), ranks.world):
+            round_ = pending[start : start + ranks.world]
+            mine = round_[ranks.rank] if ranks.rank < len(round_) else None
+            others = f" (+{len(round_) - 1} on other ranks)" if len(round_) > 1 else ""
+            bar.set_postfix_str(f"{cell_label(cells[round_[0]])}{others}", refresh=True)
+            result = None
+            if mine is not None:
+                ctx = CellContext(device, backend, seed, cell_seed(seed, cells[mine]), mine)
+                result = _run_cell(study, config, cells[mine], ctx, ranks.world > 1)
+            results = ranks.gather(result)
+            if ranks.rank == 0:
+                for done in results:
+                    if done is not None and "rows" in done:
+                        write_cell(path, done["index"], cells[done["index"]], done["seed"],
+                                   done["rows"])
+            _raise_failures(results, result, ranks)
+            bar.update(len(round_))
+
+
+def _run_cell(study: Study, config, cell: dict, ctx: CellContext, catch: bool) -> dict:
+    """One cell's rows, each led by the cell's index, parameters and seed. With several ranks
+    a failure is returned (to be gathered) instead of raised."""
+    try:
+        rows = [_merge(study, cell, ctx, row) for row in study.run_cell(config, cell, ctx)]
+    except Exception as err:
+        if not catch:
+            raise
+        return {"index": ctx.index, "error": err, "trace": traceback.format_exc()}
+    return {"index": ctx.index, "seed": ctx.cell_seed, "rows": rows}
+
+
+def _merge(study: Study, cell: dict, ctx: CellContext, row: dict) -> dict:
+    clash = [k for k in row if k in _RESERVED or (k in cell and row[k] != cell[k])]
+    if clash:
+        raise ValueError(f"study {study.name}: a row of cell {ctx.index} sets {clash[0]!r}, a "
+                         "name the cell or the framework already uses")
+    return {"cell": ctx.index, **cell, "cell_seed": ctx.cell_seed, **row}
+
+
+def _raise_failures(results: list, mine, ranks: _Ranks) -> None:
+    failed = [r for r in results if r is not None and "error" in r]
+    if not failed:
+        return
+    if mine is not None and "error" in mine:
+        raise mine["error"]
+    first = failed[0]
+    raise RuntimeError(f"cell {first['index']} failed on another rank:\n{first['trace']}")
+
+
+def _finish(path: Path, study: Study, config, record: dict, cells: list[dict]) -> None:
+    """(rank 0) The metrics table from the stored cells, then the report and figures."""
+    stored = read_cells(path)
+    missing = [i for i in range(len(cells)) if i not in stored]
+    if missing:
+        raise RuntimeError(f"cells {missing[:5]} of {path} were not stored")
+    rows = [row for i in range(len(cells)) for row in stored[i]["rows"]]
+    metrics = pd.DataFrame.from_records(rows)
+    write_metrics(path, metrics)
+    _write_report(path, study, config, record, read_metrics(path))
+
+
+def rebuild_report(out: str | Path, *, folder: str | Path | None = None) -> Path:
+    """Rewrite the report and figures of results folder `out` from its stored config and
+    metrics, computing nothing else; returns the report's path."""
+    out = Path(out)
+    if not (out / "config.json").exists():
+        raise FileNotFoundError(f"out: {out} holds no config.json; not a study's results folder")
+    record = read_json(out / "config.json")
+    study = load_study(record["study"], folder)
+    config = config_from_dict(study.config_type, record["config"])
+    return _write_report(out, study, config, record, read_metrics(out))
+
+
+def _write_report(path: Path, study: Study, config, record: dict, metrics) -> Path:
+    text, figures = study.report(config, metrics)
+    for name, figure in figures.items():
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ValueError(f"study {study.name}: figure name {name!r} is not a file name")
+        save_figure(figure, path / FIGURES / f"{name}.png")
+    pictures = "".join(f"![{n}]({FIGURES}/{n}.png)\n\n" for n in figures)
+    body = (
+        f"# Study {study.name}\n\n**Question.** {study.question}\n\n{text.strip()}\n\n"
+        + (f"## Figures\n\n{pictures}" if figures else "")
+        + _reproduce(path, record)
+    )
+    report = path / "report.md"
+    atomic_write(report, lambda tmp: tmp.write_text(body))
+    return report
+
+
+def _reproduce(path: Path, record: dict) -> str:
+    """The command that reruns the study, and the environment it ran in."""
+    words = ["fp4lab study run", record["study"], "--preset", record["preset"]]
+    words += [f"--set {o}" for o in record["overrides"]]
+    words += ["--seed", str(record["seed"]), "--device", record["device"]]
+    words += ["--backend", record["backend"]]
+    env_path = path / "environment.json"
+    sessions = read_json(env_path)["sessions"] if env_path.exists() else []
+    lines = [f"- session {i + 1}: fp4lab {s['fp4lab']}, commit {s['git_commit']}"
+             f"{' (with local changes)' if s['git_dirty'] else ''}, torch {s['torch']}, "
+             f"{s['device']} ({s['device_name']}), {s['world_size']} rank(s), started "
+             f"{s['started']}" for i, s in enumerate(sessions)]
+    return (
+        "## Reproduce\n\n```\n" + " ".join(words) + "\n```\n\n"
+        + f"{record['cells']} cells; the same seed on the same device gives the same numbers.\n\n"
+        + "\n".join(lines) + "\n"
+    )
+
+
+class _Ranks:
+    """The ranks of torch.distributed (gloo), or one process when there are none."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.created = False
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group("gloo")
+            self.created = True
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        else:
+            self.rank, self.world = 0, 1
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, on every rank."""
+        if self.world == 1:
+            return [obj]
+        found = [None] * self.world
+        self.dist.all_gather_object(found, obj)
+        return found
+
+    def broadcast(self, obj):
+        """Rank 0's `obj`, on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.created:
+            self.dist.destroy_process_group()
+
+
+def _on_rank0(ranks: _Ranks, work):
+    """`work()` on rank 0, its result (or its error) on every rank."""
+    result = error = None
+    if ranks.rank == 0:
+        try:
+            result = work()
+        except Exception as err:
+            if ranks.world == 1:
+                raise
+            error = err
+    result, error = ranks.broadcast((result, error))
+    if error is not None:
+        raise error
+    return result
