@@ -3,7 +3,8 @@
 Two backends share one `AttentionRecipe` and one `Trace` schema (DESIGN.md):
 - ``"reference"``: the simulation path, `fp4lab.analysis.attention` (plain torch, any device,
   float64-capable, fully instrumented);
-- ``"triton"``: the fused GPU kernels of `fp4lab.kernels` (not built yet).
+- ``"triton"``: the fused GPU kernels of `fp4lab.kernels` (the forward of the recipes they
+  cover so far; anything else raises, see `fp4lab.kernels.backend`).
 
 The backend is never picked for you and a missing one never falls back to the other: a
 study that asked for the kernels must not silently measure the reference.
@@ -43,28 +44,30 @@ def attention(
     statistics, `generator` for stochastic rounding); see its docstring.
 
     Raises:
-        NotImplementedError: backend="triton" (the Triton kernels are not built yet).
+        NotImplementedError: backend="triton" for what its kernels do not run yet (the
+            backward, the trace, some recipe mechanisms), or without triton installed.
         ValueError: any other backend than "reference" or "triton".
     """
-    if backend == "triton":
-        raise NotImplementedError(
-            "backend='triton': fp4lab's Triton kernels (fp4lab.kernels) are not built yet; "
-            "use backend='reference' for the simulation path (no silent fallback)"
-        )
-    if backend != "reference":
+    if backend not in BACKENDS:
         raise ValueError(
             f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
         )
-    return reference_attention(
-        q,
-        k,
-        v,
-        recipe,
-        causal=causal,
-        scale=scale,
-        trace=trace,
-        generator=generator,
-        block_m=block_m,
-        block_n=block_n,
-        attn_mask=attn_mask,
-    )
+    options = dict(
+        causal=causal, scale=scale, trace=trace, generator=generator, block_m=block_m,
+        block_n=block_n, attn_mask=attn_mask,
+    )  # fmt: skip
+    if backend == "triton":
+        return _triton_attention()(q, k, v, recipe, **options)
+    return reference_attention(q, k, v, recipe, **options)
+
+
+def _triton_attention():
+    """The Triton backend's entry; a clear error when triton is not installed."""
+    try:
+        from fp4lab.kernels.backend import attention as triton_attention
+    except ImportError as err:
+        raise NotImplementedError(
+            f"backend='triton' needs the triton package ({err}); install fp4lab[kernels], or "
+            "use backend='reference' (no silent fallback)"
+        ) from None
+    return triton_attention

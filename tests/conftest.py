@@ -1,6 +1,13 @@
-"""Shared test settings: hypothesis profiles sized for a 2-core CI machine."""
+"""Shared test settings: hypothesis profiles sized for a 2-core CI machine, and Triton's
+interpreter on machines without a GPU (set before any test imports triton, so that every
+kernel of fp4lab.kernels runs interpreted on the CPU)."""
 
 import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings
 

@@ -1,0 +1,201 @@
+"""`fp4lab.attention(..., backend="triton")`: a recipe's attention on the fused kernels.
+
+The operands Q, K, V are quantized as whole tensors exactly as the simulation path quantizes
+them (`fp4lab.formats.quantize`, along each operand's block axis, with the recipe's tensor
+scope), and handed to the kernel as bf16 values that are exact (codes times block scales)
+plus fp32 factors per (batch, head) for what bf16 cannot hold (tensor scales, the 1/M_e of an
+alpha grid). P is quantized inside the kernel (`fp4lab.kernels.flash`).
+
+What the kernels do not cover yet raises `NotImplementedError` naming it, before anything
+runs: the backward, the trace, masks other than causal, inputs other than bf16/fp16, and the
+recipe mechanisms `fp4lab.kernels.flash` lists. Nothing falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from fp4lab.formats import FP32, FloatFormat, QuantSpec, quantize, round_to_format
+from fp4lab.recipes import (
+    AttentionRecipe,
+    KVOrder,
+    PQuant,
+    RowReference,
+    RowSum,
+    SmoothK,
+    TensorScope,
+    resolve_recipe,
+)
+
+__all__ = ["attention", "check_recipe"]
+
+_DEFAULT_TILE = 64
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _store_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the kernel reads operands in: bf16 on the GPU (exact for the quantized
+    values); fp32 under the interpreter, whose bf16 dot product is wrong (Triton 3.9)."""
+    return torch.float32 if _interpreted() else torch.bfloat16
+
+
+def check_recipe(recipe: AttentionRecipe) -> None:
+    """Raise NotImplementedError for a recipe mechanism the kernels do not run yet."""
+    from fp4lab.kernels.flash import check_p
+
+    missing = []
+    if recipe.p_quant is not PQuant.SPEC:
+        missing.append(f"p_quant={recipe.p_quant.value}")
+    if recipe.row_reference not in (RowReference.RUNNING_MAX, RowReference.LAZY_MAX):
+        missing.append(f"row_reference={recipe.row_reference.value}")
+    if recipe.tensor_scope is TensorScope.TILE:
+        missing.append("tensor_scope=tile")
+    for name in ("leakage_fix", "smooth_q", "incoherent_processing"):
+        if getattr(recipe, name):
+            missing.append(name)
+    if recipe.stochastic:
+        missing.append("stochastic rounding")
+    for field in ("q", "k", "v"):
+        spec = getattr(recipe, field)
+        if isinstance(spec, QuantSpec) and (
+            spec.hadamard or spec.block is not None and len(spec.block) == 2
+        ):
+            missing.append(f"{field} in {spec.name} (Hadamard or 2-D blocks)")
+    if missing:
+        raise NotImplementedError(
+            f"recipe {recipe.name!r}: the Triton kernels do not run {', '.join(missing)} yet; "
+            "use backend='reference' (no silent fallback)"
+        )
+    check_p(recipe.p, recipe.p_lift)
+
+
+def _check_call(q, k, v, trace, attn_mask) -> None:
+    if trace is not None:
+        raise NotImplementedError(
+            "trace: the Triton kernels write no trace yet; use backend='reference'"
+        )
+    if attn_mask is not None:
+        raise NotImplementedError("attn_mask: the Triton kernels take only the causal mask yet")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16):
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}: the Triton backend runs bf16 or fp16 tensors, got {got}")
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, heads, seq, head_dim), got {tuple(x.shape)}"
+            )
+        if x.device.type != "cuda" and not _interpreted():
+            raise ValueError(
+                f"{name} is on {x.device}: the Triton kernels run on a CUDA device "
+                "(or under TRITON_INTERPRET=1); use backend='reference' elsewhere"
+            )
+    if q.shape[1] % k.shape[1] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q, k, v shapes do not agree: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+
+
+def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int):
+    """(store, factor): the quantized operand as exact bf16 values and the fp32 factor per
+    (batch, head of x) they are multiplied by."""
+    spec = getattr(recipe, field)
+    b, h = x.shape[:2]
+    ones = torch.ones(b, h, dtype=torch.float32, device=x.device)
+    if spec is None:
+        return x.to(_store_dtype(x)).contiguous(), ones
+    if isinstance(spec, FloatFormat):
+        return round_to_format(x.float(), spec).to(_store_dtype(x)).contiguous(), ones
+    per_head = recipe.tensor_scope is TensorScope.HEAD
+    view = x.reshape(b, h // groups, groups, *x.shape[2:]) if per_head else x
+    qt = quantize(view, spec, axis=recipe.block_axis(field), batch_dims=2 if per_head else 0)
+    codes, scales = qt.element_values(), qt.expanded_scales()
+    factor = ones
+    if spec.scale_rule.alpha_grid:  # s = 2^E / M_e: keep 2^E, the 1/M_e goes to the factor
+        scales = torch.where(
+            scales > 0, torch.exp2(torch.round(torch.log2(scales * spec.element.max))), 0.0
+        )
+        factor = factor / spec.element.max
+    elif spec.scale == FP32:  # one FP32 scale per tensor (or head): keep the codes
+        factor = factor * _per_head(qt.scales, b, h, groups)
+        scales = torch.ones_like(scales)
+    if qt.tensor_scale is not None:
+        factor = factor * _per_head(qt.tensor_scale, b, h, groups)
+    store = (codes * scales).reshape(x.shape).to(_store_dtype(x))
+    return store.contiguous(), factor
+
+
+def _per_head(scale: torch.Tensor, b: int, h: int, groups: int) -> torch.Tensor:
+    """A tensor or per-(batch, group) scale as one value per (batch, head)."""
+    if scale.numel() == 1:
+        return scale.reshape(()).float().expand(b, h)
+    return scale.reshape(b, h // groups).float().repeat_interleave(groups, dim=1)
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, recipe, causal, scale, block_m, block_n):
+        from fp4lab.kernels.flash import PQuantizer, attention_forward
+
+        g = q.shape[1] // k.shape[1]
+        if recipe.smooth_k is SmoothK.PER_HEAD:
+            k = k - k.mean(dim=-2, keepdim=True)
+        elif recipe.smooth_k is SmoothK.GLOBAL:
+            k = k - k.mean(dim=(0, 1, 2), keepdim=True)
+        (qs, qf), (ks, kf), (vs, vf) = (
+            _operand(q, recipe, "q", g),
+            _operand(k, recipe, "k", 1),
+            _operand(v, recipe, "v", 1),
+        )
+        lazy = recipe.lazy_rescale_log2 if recipe.row_reference is RowReference.LAZY_MAX else None
+        o, _ = attention_forward(
+            qs,
+            ks,
+            vs,
+            (qf, kf, vf),
+            PQuantizer.of(recipe.p, recipe.p_lift),
+            causal=causal,
+            scale=scale,
+            block_m=block_m,
+            block_n=block_n,
+            reverse=recipe.kv_order is KVOrder.REVERSE,
+            lazy_log2=lazy,
+            row_sum_quantized=recipe.row_sum is RowSum.QUANTIZED_P,
+        )
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        raise NotImplementedError(
+            "the Triton backward is not built yet: run training and gradients with "
+            "backend='reference' (no silent fallback)"
+        )
+
+
+def attention(
+    q,
+    k,
+    v,
+    recipe="exact",
+    *,
+    causal=False,
+    scale=None,
+    trace=None,
+    generator=None,
+    block_m=None,
+    block_n=None,
+    attn_mask=None,
+):
+    """Attention with `recipe` on the Triton kernels (arguments as `fp4lab.attention`)."""
+    recipe = resolve_recipe(recipe)
+    _check_call(q, k, v, trace, attn_mask)
+    check_recipe(recipe)
+    block_m = block_m or recipe.block_m or _DEFAULT_TILE
+    block_n = block_n or recipe.block_n or _DEFAULT_TILE
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _TritonAttention.apply(q, k, v, recipe, bool(causal), scale, block_m, block_n)

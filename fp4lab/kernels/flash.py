@@ -1,0 +1,570 @@
+"""FlashAttention's forward in Triton with in-kernel quantization of P, driven by a recipe.
+
+What. `attention(q, k, v, recipe)` runs the forward of the simulation path
+(`fp4lab.analysis.flash`) as one fused kernel on the GPU: each program owns one query tile of
+one (batch, head) and walks the key/value tiles it can see (first to last, or last to first
+as the recipe's `kv_order` says), keeping the online softmax's m_i, l_i and acc in registers.
+Q, K and V arrive already quantized as the recipe says (by `fp4lab.formats.fake_quantize`,
+whole tensors, as the simulation quantizes them); P is quantized inside the kernel, tile by
+tile, along the keys, with the recipe's `p` format and lift.
+
+The algorithm per key tile j (in log2 units, z = scale log2(e) S):
+
+    z = scale log2(e) (Q^_i K^_j^T)            # fp32 accumulate
+    -- update m_i --                           running max, lazy max (FA4) or none
+    P = exp2(z - m_i)
+    P^ = q(lift P) / lift                      # the recipe's p format, per block of keys
+    -- update l_i and acc --
+    l_i = alpha l_i + rowsum(P or P^)
+    acc = alpha acc + P^ V^_j                  # bf16 operands (exact for FP4 and FP8 values)
+
+How P^ stays exact in bf16. A dequantized FP4 value is an E2M1 code (2 significant bits)
+times an E4M3 or E8M0 scale (4 or 1), at most 6 significant bits: exact in bf16's 8. The
+kernel multiplies P^ V^ on bf16 tensor cores with fp32 accumulation, so the product of two
+such operands is exact up to the accumulation order. Factors that would break exactness (a
+per-tile FP32 tensor scale, the lift, the 1/M_e of an alpha-grid scale) are kept out of the
+bf16 operand and applied to the tile's fp32 product instead.
+
+What is not here yet (asking for it raises, never falls back): the backward, the trace,
+Direct-P and two-level P, stochastic rounding of P, the leakage fix, attn_mask, and
+row references other than the running and the lazy maximum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4lab.formats import FloatFormat, ScaleArithmetic, ScaleRule
+
+__all__ = ["attention_forward", "PQuantizer"]
+
+LOG2E = math.log2(math.e)
+
+
+# -- device functions: rounding onto a format's grid, and P's block scales -------------------------
+@triton.jit
+def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: tl.constexpr):
+    """x (fp32) rounded to nearest even on a float format's grid, saturating at +-MAXV: the
+    reference's float32 path (`fp4lab.formats.rounding._round_float32`). The quantum is x's
+    binade 2^e (from its exponent bits) clamped to [Q_LO, Q_HI] = [2^emin, 2^(emax+1)] times
+    UNIT = 2^-mbits; x / quantum and back are exact (powers of two)."""
+    binade = (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    quantum = tl.minimum(tl.maximum(binade, Q_LO), Q_HI) * UNIT
+    inverse = (0x7F000000 - quantum.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    y = _rint(x * inverse) * quantum
+    return tl.minimum(tl.maximum(y, -MAXV), MAXV)
+
+
+@triton.jit
+def _rint(y):
+    """y rounded to the nearest integer, ties to even: adding and subtracting 1.5 * 2^23 makes
+    the fp32 adder round (|y| < 2^22); larger y are integers already."""
+    rounded = (y + 12582912.0) - 12582912.0
+    return tl.where(tl.abs(y) < 4194304.0, rounded, y)
+
+
+@dataclass(frozen=True)
+class PQuantizer:
+    """P's format as the kernel's compile-time constants (from a recipe's `p` and lift).
+
+    MODE: 0 none, 1 an element cast (a `FloatFormat`), 2 block scales along the keys.
+    ELEM: (Q_LO, Q_HI, UNIT, MAXV) of the element format; SCALE: the same of the scale
+    format; BLOCK: keys per block; RULE: 0 amax / M_e rounded (NEAREST), 1 OCP's floor power
+    of two, 2-5 the alpha rules CEIL, MSE, HALF, RTE; ARITH: 0 EXACT, 1 TE_ENCODE, 2
+    RECIPROCAL, 3 DIVIDE_UNROUNDED; TENSOR: a per-tile tensor scale (TE_ENCODE's).
+    """
+
+    MODE: int
+    LIFT: float = 1.0
+    ELEM: tuple = (1.0, 1.0, 1.0, 1.0)
+    SCALE: tuple = (1.0, 1.0, 1.0, 1.0)
+    SCALE_POW2: tuple = (-127, 127)  # the scale format's powers of two (E8M0 rules)
+    BLOCK: int = 16
+    RULE: int = 0
+    ARITH: int = 0
+    TENSOR: bool = False
+    EMAX_E: int = 0  # the element format's largest exponent (OCP's floor rule)
+
+    @classmethod
+    def of(cls, spec, lift: float) -> PQuantizer:
+        """The quantizer of a recipe's `p` (None, a FloatFormat or a 1-D QuantSpec)."""
+        if spec is None:
+            return cls(MODE=0, LIFT=lift)
+        if isinstance(spec, FloatFormat):
+            return cls(MODE=1, LIFT=lift, ELEM=_grid(spec))
+        return cls(
+            MODE=2, LIFT=lift, ELEM=_grid(spec.element), SCALE=_grid(spec.scale),
+            SCALE_POW2=(math.floor(math.log2(spec.scale.min_subnormal)),
+                        math.floor(math.log2(spec.scale.max))),
+            BLOCK=spec.block[0], RULE=_RULES[spec.scale_rule], ARITH=_ARITHMETICS[spec.arithmetic],
+            TENSOR=spec.tensor_scale, EMAX_E=spec.element.emax,
+        )  # fmt: skip
+
+
+def _grid(fmt: FloatFormat) -> tuple:
+    return (2.0**fmt.emin, 2.0 ** (fmt.emax + 1), 2.0**-fmt.mbits, float(fmt.max))
+
+
+_RULES = {
+    ScaleRule.NEAREST: 0, ScaleRule.OCP_FLOOR: 1, ScaleRule.ALPHA_CEIL: 2, ScaleRule.ALPHA_MSE: 3,
+    ScaleRule.ALPHA_HALF: 4, ScaleRule.ALPHA_RTE: 5,
+}  # fmt: skip
+_ARITHMETICS = {
+    ScaleArithmetic.EXACT: 0, ScaleArithmetic.TE_ENCODE: 1, ScaleArithmetic.RECIPROCAL: 2,
+    ScaleArithmetic.DIVIDE_UNROUNDED: 3,
+}  # fmt: skip
+
+
+def check_p(spec, lift: float) -> None:
+    """Raise for a P format the kernel does not quantize (yet): no silent fallback."""
+    if spec is None or isinstance(spec, FloatFormat):
+        return
+    problems = []
+    if spec.block is None or len(spec.block) != 1 or spec.block[0] not in (16, 32):
+        problems.append(f"blocks {spec.block} (the kernel takes 1-D blocks of 16 or 32 keys)")
+    if spec.scale_rule not in _RULES:
+        problems.append(f"scale rule {spec.scale_rule.value}")
+    if spec.arithmetic not in _ARITHMETICS:
+        problems.append(f"arithmetic {spec.arithmetic.value}")
+    if spec.tensor_scale and spec.arithmetic is not ScaleArithmetic.TE_ENCODE:
+        problems.append("a tensor scale with an arithmetic other than te_encode")
+    if spec.stochastic or spec.hadamard or spec.scale_floor or spec.fixed_scale is not None:
+        problems.append("stochastic rounding, a Hadamard transform, a scale floor or a fixed scale")
+    if problems:
+        raise NotImplementedError(
+            f"p: the Triton kernel does not quantize P with block format {spec.name!r} yet: "
+            + "; ".join(problems)
+            + "; use backend='reference'"
+        )
+
+
+@triton.jit
+def _div(a, b):
+    """a / b correctly rounded, for a scalar or tensor a and a tensor b."""
+    return tl.div_rn(tl.zeros_like(b) + a, b)
+
+
+@triton.jit
+def _floor_log2(a):
+    """floor(log2 a) of a normal positive fp32 a, from its exponent bits (an int32)."""
+    return ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _block_scales(
+    amax,
+    A,
+    M_E: tl.constexpr,
+    INV_ME: tl.constexpr,
+    SCALE_Q_LO: tl.constexpr,
+    SCALE_Q_HI: tl.constexpr,
+    SCALE_UNIT: tl.constexpr,
+    SCALE_MAX: tl.constexpr,
+    E_LO: tl.constexpr,
+    E_HI: tl.constexpr,
+    RULE: tl.constexpr,
+    ARITH: tl.constexpr,
+    TENSOR: tl.constexpr,
+    EMAX_E: tl.constexpr,
+):
+    """(store, factor, divisor, decode) of blocks with amax `amax` in a tile of amax A, in the
+    float32 order of `fp4lab.formats`' ScaleArithmetic / ScaleRule: the elements are
+    x * factor or, where divisor > 0 (EXACT, DIVIDE_UNROUNDED), x / divisor correctly rounded
+    (a zero divisor flushes); the dequantized value is code * store * decode / M_e^[alpha],
+    with store bf16-exact (the block scale, or 2^E for an alpha-grid scale)."""
+    decode = 1.0
+    divisor = tl.zeros_like(amax)
+    if RULE == 0:  # NEAREST: t = a' / M_e rounded into the scale format
+        if ARITH == 1:  # TE_ENCODE
+            g = 1.0
+            if TENSOR:
+                g = tl.minimum(_div(SCALE_MAX * M_E, A), 3.4028234663852886e38)
+                g = tl.where(g == 0.0, 1.0, g)
+                decode = _div(1.0, g)
+            t = tl.minimum(amax * (g * INV_ME), 3.4028234663852886e38)
+        else:
+            t = tl.div_rn(amax, tl.zeros_like(amax) + M_E)
+        store = _round(t, SCALE_Q_LO, SCALE_Q_HI, SCALE_UNIT, SCALE_MAX)
+        factor = tl.where(store == 0.0, 0.0, _div(1.0, store))  # RECIPROCAL
+        if ARITH == 0:  # EXACT: x / s
+            divisor = store
+        elif ARITH == 1:
+            factor = tl.minimum(_div(1.0, store * decode), 3.4028234663852886e38)
+            if not TENSOR:  # fp4-fa4's Q/K quantizer: a zero scale's multiplier is 0
+                factor = tl.where(store == 0.0, 0.0, factor)
+        elif ARITH == 3:  # DIVIDE_UNROUNDED: x / t
+            divisor = t
+    elif RULE == 1:  # OCP's floor: 2^(floor(log2 a) - emax_e); x / 2^e is exact
+        e = tl.where(amax > 0.0, _floor_log2(amax) - EMAX_E, E_LO)
+        e = tl.minimum(tl.maximum(e, E_LO), E_HI)
+        store = tl.exp2(e.to(tl.float32))
+        factor = tl.exp2(-e.to(tl.float32))
+    else:  # the alpha grid: s = 2^E / M_e, elements (x M_e) 2^-E
+        e = _floor_log2(amax)
+        r = amax * tl.exp2(-e.to(tl.float32))
+        if RULE == 2:
+            up = r > 1.0
+        elif RULE == 3:
+            up = r >= 1.203125
+        elif RULE == 4:
+            up = r >= 1.5
+        else:
+            up = (r > 1.5) | ((r == 1.5) & (((e + 127) % 2) == 1))
+        e = tl.minimum(tl.maximum(e + up.to(tl.int32), E_LO), E_HI)
+        flush = amax < 1.1754943508222875e-38
+        store = tl.where(flush, 0.0, tl.exp2(e.to(tl.float32)))
+        factor = tl.where(flush, 0.0, M_E * tl.exp2(-e.to(tl.float32)))
+    return store, factor, divisor, decode
+
+
+@triton.jit
+def _quantize_p(
+    p,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr,
+    LIFT: tl.constexpr,
+    EQ_LO: tl.constexpr,
+    EQ_HI: tl.constexpr,
+    E_UNIT: tl.constexpr,
+    E_MAX: tl.constexpr,
+    SQ_LO: tl.constexpr,
+    SQ_HI: tl.constexpr,
+    S_UNIT: tl.constexpr,
+    S_MAX: tl.constexpr,
+    E_LO: tl.constexpr,
+    E_HI: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    RULE: tl.constexpr,
+    ARITH: tl.constexpr,
+    TENSOR: tl.constexpr,
+    EMAX_E: tl.constexpr,
+):
+    """P^ of a (BLOCK_M, BLOCK_N) tile as (values, tile factor): values are bf16-exact (codes
+    times block scales, the lift kept), the tile factor (the tensor decode scale over the
+    lift, and 1/M_e for an alpha grid) multiplies the tile's products."""
+    x = p * LIFT
+    if MODE == 0:
+        return x, 1.0 / LIFT
+    if MODE == 1:
+        return _round(x, EQ_LO, EQ_HI, E_UNIT, E_MAX), 1.0 / LIFT
+    blocks = tl.reshape(x, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
+    amax = tl.max(blocks, axis=2)
+    A = tl.max(tl.max(x, axis=1), axis=0)
+    store, factor, divisor, decode = _block_scales(
+        amax,
+        A,
+        E_MAX,
+        1.0 / E_MAX,
+        SQ_LO,
+        SQ_HI,
+        S_UNIT,
+        S_MAX,
+        E_LO,
+        E_HI,
+        RULE,
+        ARITH,
+        TENSOR,
+        EMAX_E,
+    )
+    if ARITH == 0 or ARITH == 3:
+        if RULE == 0:
+            den = divisor[:, :, None]
+            scaled = tl.where(den == 0.0, 0.0, tl.div_rn(blocks, tl.where(den == 0.0, 1.0, den)))
+        else:
+            scaled = blocks * factor[:, :, None]
+    else:
+        scaled = blocks * factor[:, :, None]
+    codes = _round(scaled, EQ_LO, EQ_HI, E_UNIT, E_MAX)
+    values = tl.reshape(codes * store[:, :, None], (BLOCK_M, BLOCK_N))
+    tile_factor = decode / LIFT
+    if RULE >= 2:
+        tile_factor = tile_factor / E_MAX
+    return values, tile_factor
+
+
+# -- the inner loop and the kernel -----------------------------------------------------------------
+@triton.jit
+def _attn_fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    start_m,
+    qk_scale,
+    Sq,
+    Sk,
+    lo,
+    hi,
+    step,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    LAZY: tl.constexpr,
+    LAZY_LOG2: tl.constexpr,
+    ROW_SUM_Q: tl.constexpr,
+    MODE: tl.constexpr,
+    LIFT: tl.constexpr,
+    EQ_LO: tl.constexpr,
+    EQ_HI: tl.constexpr,
+    E_UNIT: tl.constexpr,
+    E_MAX: tl.constexpr,
+    SQ_LO: tl.constexpr,
+    SQ_HI: tl.constexpr,
+    S_UNIT: tl.constexpr,
+    S_MAX: tl.constexpr,
+    E_LO: tl.constexpr,
+    E_HI: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    RULE: tl.constexpr,
+    ARITH: tl.constexpr,
+    TENSOR: tl.constexpr,
+    EMAX_E: tl.constexpr,
+):
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, V_DIM)
+    for start in range(lo, hi, step):
+        start_n = tl.multiple_of(start, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        inside = offs_n < Sk
+        k = tl.load(
+            k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=inside[None, :], other=0.0
+        )
+        qk = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        keep = inside[None, :] & (offs_m < Sq)[:, None]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        qk = tl.where(keep, qk, -float("inf"))
+        # -- update m_i --
+        top = tl.maximum(m_i, tl.max(qk, 1))
+        if LAZY:  # keep the old maximum while the tile raises it by at most LAZY_LOG2 bits
+            m_new = tl.where(top - m_i > LAZY_LOG2, top, m_i)
+        else:
+            m_new = top
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        # -- quantize P --
+        p_hat, factor = _quantize_p(
+            p,
+            BLOCK_M,
+            BLOCK_N,
+            MODE,
+            LIFT,
+            EQ_LO,
+            EQ_HI,
+            E_UNIT,
+            E_MAX,
+            SQ_LO,
+            SQ_HI,
+            S_UNIT,
+            S_MAX,
+            E_LO,
+            E_HI,
+            QBLOCK,
+            RULE,
+            ARITH,
+            TENSOR,
+            EMAX_E,
+        )
+        # -- update l_i and acc --
+        if ROW_SUM_Q:
+            l_i = l_i * alpha + tl.sum(p_hat, 1) * factor
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=inside[:, None], other=0.0
+        )
+        acc = acc * alpha[:, None] + tl.dot(p_hat.to(v.dtype), v) * factor
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    QF,
+    KF,
+    VF,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    H,
+    G,
+    Sq,
+    Sk,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    REVERSE: tl.constexpr,
+    LAZY: tl.constexpr,
+    LAZY_LOG2: tl.constexpr,
+    ROW_SUM_Q: tl.constexpr,
+    MODE: tl.constexpr,
+    LIFT: tl.constexpr,
+    EQ_LO: tl.constexpr,
+    EQ_HI: tl.constexpr,
+    E_UNIT: tl.constexpr,
+    E_MAX: tl.constexpr,
+    SQ_LO: tl.constexpr,
+    SQ_HI: tl.constexpr,
+    S_UNIT: tl.constexpr,
+    S_MAX: tl.constexpr,
+    E_LO: tl.constexpr,
+    E_HI: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    RULE: tl.constexpr,
+    ARITH: tl.constexpr,
+    TENSOR: tl.constexpr,
+    EMAX_E: tl.constexpr,
+):
+    """One query tile of one (batch, head): O and the log-sum-exp (natural units)."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    hk = h // G
+    # the operands' factors outside their bf16 values (tensor scales, alpha grids' 1/M_e)
+    qk_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + b * (H // G) + hk)
+    out_factor = tl.load(VF + b * (H // G) + hk)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, V_DIM)
+    rows = offs_m < Sq
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+        mask=rows[:, None],
+        other=0.0,
+    )
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
+    n_tiles = tl.cdiv(Sk, BLOCK_N)
+    if CAUSAL:
+        n_tiles = tl.minimum(n_tiles, tl.cdiv(tl.minimum((start_m + 1) * BLOCK_M, Sq), BLOCK_N))
+    if REVERSE:
+        lo, hi, step = (n_tiles - 1) * BLOCK_N, -1, -BLOCK_N
+    else:
+        lo, hi, step = 0, n_tiles * BLOCK_N, BLOCK_N
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        start_m,
+        qk_scale,
+        Sq,
+        Sk,
+        lo,
+        hi,
+        step,
+        BLOCK_M,
+        BLOCK_N,
+        HEAD_DIM,
+        V_DIM,
+        CAUSAL,
+        LAZY,
+        LAZY_LOG2,
+        ROW_SUM_Q,
+        MODE,
+        LIFT,
+        EQ_LO,
+        EQ_HI,
+        E_UNIT,
+        E_MAX,
+        SQ_LO,
+        SQ_HI,
+        S_UNIT,
+        S_MAX,
+        E_LO,
+        E_HI,
+        QBLOCK,
+        RULE,
+        ARITH,
+        TENSOR,
+        EMAX_E,
+    )
+    empty = l_i == 0.0
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
+    lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
+    lse = tl.where(empty, float("inf"), lse)
+    tl.store(LSE + bh * Sq + offs_m, lse, mask=rows)
+    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=rows[:, None])
+
+
+# -- the launcher ----------------------------------------------------------------------------------
+def attention_forward(
+    q,
+    k,
+    v,
+    factors,
+    pq: PQuantizer,
+    *,
+    causal: bool,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    reverse: bool = False,
+    lazy_log2: float | None = None,
+    row_sum_quantized: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
+    """O (B, H, Sq, Dv) and lse (B, H, Sq) fp32 of already quantized q, k, v (B, H|Hkv, S, D),
+    bf16 or fp16, contiguous in their last dim, on the GPU (or under the interpreter); the
+    values of q, k, v are multiplied by `factors` (fp32 tensors of (B, H), (B, Hkv), (B, Hkv)
+    elements) in the kernel's fp32 arithmetic."""
+    B, H, Sq, D = q.shape
+    Hk, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    o = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(Sq, block_m), B * H)
+    qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
+    _attn_fwd[grid](
+        q, k, v, o, lse, qf, kf, vf, scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        H, H // Hk, Sq, Sk, HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, REVERSE=reverse, LAZY=lazy_log2 is not None,
+        LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized, MODE=pq.MODE, LIFT=pq.LIFT,
+        EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2], E_MAX=pq.ELEM[3],
+        SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2], S_MAX=pq.SCALE[3],
+        E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK, RULE=pq.RULE,
+        ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return o, lse
