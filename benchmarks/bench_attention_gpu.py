@@ -1,0 +1,138 @@
+"""The Triton attention forward against bf16 SDPA on the GPU (issue 9's attention goals).
+
+For each recipe and mask: check the kernel against the simulation path on a slice (B1 H2
+S1024, the same tiles), then time the kernel alone on already quantized operands (Q, K, V as
+the kernel reads them; their quantization is timed apart) beside
+`F.scaled_dot_product_attention` (its default backend, bf16) in the same run, with
+`triton.testing.do_bench` (median), at B4 H16 S4096 D128, over a few tile and warp
+configurations. Forward FLOPs count 4 B H S^2 D (half of it causal).
+
+    python benchmarks/bench_attention_gpu.py [--recipes exact nvfp4 fa4fp4_causal] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from fp4lab.analysis import attention as reference_attention
+from fp4lab.kernels import backend
+from fp4lab.kernels.flash import PQuantizer, attention_forward
+from fp4lab.recipes import KVOrder, RowReference, RowSum, resolve_recipe
+
+SHAPE = dict(B=4, H=16, S=4096, D=128)
+CONFIGS = [(128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
+
+
+def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages):
+    """A closure running the kernel on operands quantized once, and that quantization's time."""
+    g = q.shape[1] // k.shape[1]
+    operands = [
+        backend._operand(x, recipe, f, n) for x, f, n in ((q, "q", g), (k, "k", 1), (v, "v", 1))
+    ]
+    (qs, qf), (ks, kf), (vs, vf) = operands
+    pq = PQuantizer.of(recipe.p, recipe.p_lift)
+    lazy = recipe.lazy_rescale_log2 if recipe.row_reference is RowReference.LAZY_MAX else None
+    options = dict(
+        causal=causal, scale=1 / math.sqrt(q.shape[-1]), block_m=block_m, block_n=block_n,
+        reverse=recipe.kv_order is KVOrder.REVERSE, lazy_log2=lazy,
+        row_sum_quantized=recipe.row_sum is RowSum.QUANTIZED_P, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    return lambda: attention_forward(qs, ks, vs, (qf, kf, vf), pq, **options)[0]
+
+
+def check(recipe, causal, block_m, block_n) -> float:
+    """Kernel against the simulation path on a slice: relative L2 difference."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (
+        torch.randn(1, 2, 1024, 128, device="cuda", generator=g).bfloat16() for _ in range(3)
+    )
+    got = backend.attention(q, k, v, recipe, causal=causal, block_m=block_m, block_n=block_n)
+    want = reference_attention(q, k, v, recipe, causal=causal, block_m=block_m, block_n=block_n)
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipes", nargs="+", default=["exact", "nvfp4", "fa4fp4_causal"])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    b, h, s, d = SHAPE["B"], SHAPE["H"], SHAPE["S"], SHAPE["D"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    rows = []
+    for causal in (False, True):
+        flops = 4 * b * h * s * s * d / (2 if causal else 1)
+        sdpa_ms = triton.testing.do_bench(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        )
+        rows.append(
+            {
+                "recipe": "sdpa (bf16, default backend)",
+                "causal": causal,
+                "tiles": "-",
+                "ms": sdpa_ms,
+                "tflops": flops / sdpa_ms / 1e9,
+                "x_sdpa": 1.0,
+                "check": 0.0,
+            }
+        )
+        for name in args.recipes:
+            recipe = resolve_recipe(name)
+            for bm, bn, warps, stages in CONFIGS:
+                try:
+                    diff = check(recipe, causal, bm, bn)
+                    fn = kernel_call(recipe, q, k, v, causal, bm, bn, warps, stages)
+                    out = fn()
+                    assert torch.isfinite(out.float()).all(), "non-finite output"
+                    ms = triton.testing.do_bench(fn)
+                except Exception as err:  # a configuration that does not compile or fit
+                    rows.append(
+                        {
+                            "recipe": name,
+                            "causal": causal,
+                            "tiles": f"{bm}x{bn} w{warps} s{stages}",
+                            "ms": float("nan"),
+                            "tflops": float("nan"),
+                            "x_sdpa": float("nan"),
+                            "check": float("nan"),
+                            "error": repr(err)[:200],
+                        }
+                    )
+                    continue
+                rows.append(
+                    {
+                        "recipe": name,
+                        "causal": causal,
+                        "tiles": f"{bm}x{bn} w{warps} s{stages}",
+                        "ms": ms,
+                        "tflops": flops / ms / 1e9,
+                        "x_sdpa": sdpa_ms / ms,
+                        "check": diff,
+                    }
+                )
+    with open(os.path.join(args.out, "bench_attention_gpu.json"), "w") as f:
+        json.dump(
+            {"shape": SHAPE, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1
+        )
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"forward, B{b} H{h} S{s} D{d} bf16; check = kernel vs simulation on B1 H2 S1024")
+    print(
+        f"{'recipe':30s} {'causal':6s} {'tiles':16s} {'ms':>8s} {'TFLOP/s':>8s} {'x SDPA':>7s} {'check':>8s}"
+    )
+    for r in rows:
+        print(
+            f"{r['recipe']:30s} {str(r['causal']):6s} {r['tiles']:16s} {r['ms']:8.3f} "
+            f"{r['tflops']:8.1f} {r['x_sdpa']:7.3f} {r['check']:8.1e} {r.get('error', '')}"
+        )
+
+
+if __name__ == "__main__":
+    main()
