@@ -71,7 +71,7 @@ def main() -> None:
     for causal in (False, True):
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
         sdpa_ms = triton.testing.do_bench(
-            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            lambda causal=causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         )
         rows.append(
             {
@@ -125,7 +125,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"forward, B{b} H{h} S{s} D{d} bf16; check = kernel vs simulation on B1 H2 S1024")
     print(
-        f"{'recipe':30s} {'causal':6s} {'tiles':16s} {'ms':>8s} {'TFLOP/s':>8s} {'x SDPA':>7s} {'check':>8s}"
+        f"{'recipe':30s} {'causal':6s} {'tiles':16s} {'ms':>8s} {'TFLOP/s':>8s} "
+        f"{'x SDPA':>7s} {'check':>8s}"
     )
     for r in rows:
         print(
