@@ -10,6 +10,14 @@ figure list is involved; pass ``ax=`` to draw into a figure of your own.
 - `product_heatmaps(trace, column)`: the same column for several products side by side, on
   one colour scale.
 - `recipe_heatmaps({name: trace}, column, product)`: one panel per recipe, one colour scale.
+- `comparison_heatmaps({name: trace}, column)`: one row per product, the recipes side by
+  side, one colour scale and one colour bar.
+- `shared_norm({name: trace}, column)`: one colour scale over several traces, to pass as
+  ``norm=`` so that the same value is the same colour in every figure (the CLI's files).
+
+Each heatmap shows one batch and head, or with ``reduce="mean"`` / ``"max"`` a summary over
+all of them; its colour bar names the statistic in words (`colour_label`, from the trace's
+`COLUMNS`). From 32 tiles on a side the cells lose their borders and the ticks thin out.
 - `sweep_curve(frame, x, y, hue=)`: a measured figure over a swept parameter (error against
   sequence length, against the number of samples, ...), optionally log-log.
 - `convergence_curve(bias.convergence)`: Quartet II's unbiasedness plot, the n-sample
@@ -19,27 +27,37 @@ figure list is involved; pass ``ax=`` to draw into a figure of your own.
 from __future__ import annotations
 
 import math
+import textwrap
 import warnings
 
 import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 
 from fp4lab.recipes import ID_COLUMNS, Product
+from fp4lab.recipes import column as trace_column
 
 __all__ = [
     "tile_grid",
     "tile_heatmap",
     "product_heatmaps",
     "recipe_heatmaps",
+    "comparison_heatmaps",
+    "shared_norm",
+    "colour_label",
+    "REDUCTIONS",
     "sweep_curve",
     "convergence_curve",
 ]
 
 PRODUCTS = tuple(p.value for p in Product)
+REDUCTIONS = ("mean", "max")  # summaries over batch and heads (`reduce=`)
+DENSE_TILES = 32  # from this many tiles on a side: no cell borders, fewer ticks
+CMAP = "viridis"
 
 
 def _frame(trace) -> pd.DataFrame:
@@ -50,18 +68,32 @@ def _frame(trace) -> pd.DataFrame:
     return frame
 
 
-def tile_grid(
-    trace, column: str, *, product: str = "pv", batch: int = 0, head: int = 0, call: int = 0
-) -> pd.DataFrame:
-    """`column` of one (call, product, batch, head) as a (q_tile x k_tile) table; tiles
-    absent from the trace (skipped by a causal mask) are NaN. Product "out" gives one column
-    (k_tile -1) of per-query-tile statistics."""
-    frame = _frame(trace)
+def _check_column(frame: pd.DataFrame, column: str) -> None:
     if column not in frame.columns or column in ID_COLUMNS:
         known = [c for c in frame.columns if c not in ID_COLUMNS]
         raise ValueError(
             f"column {column!r} is not a statistic of the trace; known: {', '.join(known)}"
         )
+
+
+def tile_grid(
+    trace,
+    column: str,
+    *,
+    product: str = "pv",
+    batch: int = 0,
+    head: int = 0,
+    call: int = 0,
+    reduce: str | None = None,
+) -> pd.DataFrame:
+    """`column` of one (call, product) as a (q_tile x k_tile) table: of one batch and head,
+    or with `reduce` ("mean" or "max") summarised over every batch and head (NaN skipped;
+    `batch` and `head` are then not read). Tiles absent from the trace (skipped by a causal
+    mask) are NaN. Product "out" gives one column (k_tile -1) of per-query-tile statistics."""
+    frame = _frame(trace)
+    _check_column(frame, column)
+    if reduce not in (None, *REDUCTIONS):
+        raise ValueError(f"reduce must be None, 'mean' or 'max', got {reduce!r}")
     frame = frame[frame["call"] == call]
     rows = frame[frame["product"] == product]
     if rows.empty:
@@ -69,11 +101,14 @@ def tile_grid(
         raise ValueError(
             f"product {product!r} has no rows in call {call}; the trace has {have or 'none'}"
         )
-    rows = rows[(rows["batch"] == batch) & (rows["head"] == head)]
-    if rows.empty:
-        raise ValueError(f"batch={batch}, head={head} is not in the trace of product {product!r}")
+    if reduce is None:
+        rows = rows[(rows["batch"] == batch) & (rows["head"] == head)]
+        if rows.empty:
+            raise ValueError(
+                f"batch={batch}, head={head} is not in the trace of product {product!r}"
+            )
     grid = rows.pivot_table(
-        index="q_tile", columns="k_tile", values=column, aggfunc="first", dropna=False
+        index="q_tile", columns="k_tile", values=column, aggfunc=reduce or "first", dropna=False
     )
     q_tiles = range(int(frame["q_tile"].max()) + 1)
     k_tiles = (
@@ -82,6 +117,22 @@ def tile_grid(
         else range(int(frame.loc[frame["k_tile"] >= 0, "k_tile"].max()) + 1)
     )
     return grid.reindex(index=q_tiles, columns=k_tiles).astype(float)
+
+
+def colour_label(name: str, reduce: str | None = None) -> str:
+    """What a colour bar of trace column `name` shows: the statistic in words (its short
+    definition, `fp4lab.recipes.column`) over its name and, with `reduce`, the summary taken;
+    wrapped to fit beside a panel."""
+    try:
+        words = textwrap.fill(trace_column(name).short, 36)
+    except ValueError:  # a column of the user's own frame
+        words = ""
+    tag = f"{name}, {reduce} over batch and heads" if reduce else name
+    return f"{words}\n({tag})" if words else tag
+
+
+def _where(batch: int, head: int, reduce: str | None) -> str:
+    return f"{reduce} over batch and heads" if reduce else f"batch {batch}, head {head}"
 
 
 def _norm(values: np.ndarray, log: bool):
@@ -100,6 +151,11 @@ def _norm(values: np.ndarray, log: bool):
     )
 
 
+def _ticks(n: int):
+    """Seaborn's tick labels for n tiles: every tile's below DENSE_TILES, else about eight."""
+    return "auto" if n < DENSE_TILES else math.ceil(n / 8)
+
+
 def tile_heatmap(
     trace,
     column: str = "prod_err",
@@ -108,6 +164,7 @@ def tile_heatmap(
     batch: int = 0,
     head: int = 0,
     call: int = 0,
+    reduce: str | None = None,
     log: bool = False,
     annot: bool = False,
     ax: Axes | None = None,
@@ -121,16 +178,22 @@ def tile_heatmap(
         column: any statistic column (``prod_err``, ``a_flushed``, ``p_mass_lost``, ...).
         product: qk, pv, dv, dp, dq, dk, or out (per-query-tile statistics).
         batch, head, call: which slice (head is the query head).
+        reduce: "mean" or "max" over every batch and head instead of one (`tile_grid`).
         log: logarithmic colour scale (zeros and NaN left blank).
         annot: write each tile's value in its cell.
         ax: axes to draw into (a new figure when None); norm: a shared colour scale.
-        cbar: draw a colour bar.
+        cbar: draw a colour bar, labelled with the statistic in words (`colour_label`).
+
+    From DENSE_TILES tiles on a side the cells have no borders and about eight ticks.
     """
-    grid = tile_grid(trace, column, product=product, batch=batch, head=head, call=call)
+    grid = tile_grid(
+        trace, column, product=product, batch=batch, head=head, call=call, reduce=reduce
+    )
+    rows, cols = grid.shape
+    dense = max(rows, cols) >= DENSE_TILES
     if ax is None:
-        ax = Figure(
-            figsize=(1.2 + 0.45 * grid.shape[1] + 1.5, 1.0 + 0.45 * grid.shape[0] + 0.8)
-        ).subplots()
+        cell = 0.45 if not dense else max(0.08, 12.0 / max(rows, cols))
+        ax = Figure(figsize=(2.7 + cell * cols, 1.8 + cell * rows)).subplots()
     data = grid.where(grid > 0) if log else grid
     norm = norm or _norm(grid.to_numpy(), log)
     with warnings.catch_warnings():  # a blank panel (every tile 0 on a log scale) is a result
@@ -139,18 +202,21 @@ def tile_heatmap(
             data,
             ax=ax,
             norm=norm,
-            cmap="viridis",
+            cmap=CMAP,
             annot=annot,
             fmt=".2g",
             cbar=cbar,
-            cbar_kws={"label": column},
+            cbar_kws={"label": colour_label(column, reduce)},
             square=True,
-            linewidths=0.5,
+            linewidths=0 if dense else 0.5,
             linecolor="white",
+            xticklabels=_ticks(cols),
+            yticklabels=_ticks(rows),
         )
+    ax.tick_params(labelsize=8 if dense else 10)
     ax.set_xlabel("key tile" if product != "out" else "")
     ax.set_ylabel("query tile")
-    ax.set_title(f"{product}: {column} (batch {batch}, head {head})")
+    ax.set_title(f"{product}: {column} ({_where(batch, head, reduce)})")
     return ax
 
 
@@ -169,6 +235,45 @@ def _panels(n: int, width: float = 3.6, height: float = 3.2) -> tuple[Figure, li
     return fig, axes[:n]
 
 
+def _products(frames, products, call: int) -> list[str]:
+    """`products` as a list, or every product of qk, pv, dv, dp, dq, dk all `frames` hold."""
+    if products is not None:
+        return list(products)
+    present = set(PRODUCTS)
+    for frame in frames:
+        present &= set(frame.loc[frame["call"] == call, "product"])
+    found = [p for p in PRODUCTS if p in present]
+    if not found:
+        raise ValueError(f"products: the traces hold no product rows in call {call}")
+    return found
+
+
+def shared_norm(
+    traces,
+    column: str = "prod_err",
+    *,
+    products=None,
+    batch: int = 0,
+    head: int = 0,
+    call: int = 0,
+    reduce: str | None = None,
+    log: bool = True,
+):
+    """One colour scale over `column` of every product of `products` (default: those all
+    traces hold) in every trace of `traces` (a mapping of names to `Trace`s or frames, or a
+    list of them): pass it as ``norm=`` so that one value is one colour in every figure."""
+    frames = [_frame(t) for t in (traces.values() if isinstance(traces, dict) else traces)]
+    if not frames:
+        raise ValueError("traces must hold at least one trace")
+    selection = dict(batch=batch, head=head, call=call, reduce=reduce)
+    grids = [
+        tile_grid(frame, column, product=p, **selection).to_numpy().ravel()
+        for frame in frames
+        for p in _products(frames, products, call)
+    ]
+    return _norm(np.concatenate(grids), log)
+
+
 def product_heatmaps(
     trace,
     column: str = "prod_err",
@@ -177,36 +282,33 @@ def product_heatmaps(
     batch: int = 0,
     head: int = 0,
     call: int = 0,
+    reduce: str | None = None,
     log: bool = True,
+    norm=None,
 ) -> Figure:
     """`column` over (query tile, key tile) for each product of `products` (default: every
-    product of qk, pv, dv, dp, dq, dk the trace holds), one panel each, one colour scale."""
+    product of qk, pv, dv, dp, dq, dk the trace holds), one panel each, on one colour scale:
+    `norm` (from `shared_norm`, to compare figures) or this trace's own."""
     frame = _frame(trace)
-    present = set(frame.loc[frame["call"] == call, "product"])
-    products = [p for p in PRODUCTS if p in present] if products is None else list(products)
-    if not products:
-        raise ValueError(f"products: the trace holds no product rows in call {call}")
-    grids = [
-        tile_grid(frame, column, product=p, batch=batch, head=head, call=call) for p in products
-    ]
-    norm = _norm(np.concatenate([g.to_numpy().ravel() for g in grids]), log)
+    products = _products([frame], products, call)
+    selection = dict(batch=batch, head=head, call=call, reduce=reduce)
+    if norm is None:
+        norm = shared_norm([frame], column, products=products, log=log, **selection)
     fig, axes = _panels(len(products))
     for i, (product, ax) in enumerate(zip(products, axes, strict=True)):
         tile_heatmap(
             frame,
             column,
             product=product,
-            batch=batch,
-            head=head,
-            call=call,
             log=log,
             ax=ax,
             norm=norm,
             cbar=_with_bar(i, len(products)),
+            **selection,
         )
         ax.set_title(product)
     recipe = frame.loc[frame["call"] == call, "recipe"].iloc[0]
-    fig.suptitle(f"{recipe}: {column} per tile (batch {batch}, head {head})")
+    fig.suptitle(f"{recipe}: {column} per tile ({_where(batch, head, reduce)})")
     return fig
 
 
@@ -217,32 +319,75 @@ def recipe_heatmaps(
     product: str = "pv",
     batch: int = 0,
     head: int = 0,
+    reduce: str | None = None,
     log: bool = True,
+    norm=None,
 ) -> Figure:
     """`column` of `product` over (query tile, key tile), one panel per recipe of `traces`
     (a mapping of titles to `Trace`s or their frames), on one colour scale."""
     if not traces:
         raise ValueError("traces must hold at least one trace")
-    grids = {
-        name: tile_grid(t, column, product=product, batch=batch, head=head)
-        for name, t in traces.items()
-    }
-    norm = _norm(np.concatenate([g.to_numpy().ravel() for g in grids.values()]), log)
-    fig, axes = _panels(len(grids))
+    selection = dict(batch=batch, head=head, reduce=reduce)
+    if norm is None:
+        norm = shared_norm(traces, column, products=[product], log=log, **selection)
+    fig, axes = _panels(len(traces))
     for i, ((name, trace), ax) in enumerate(zip(traces.items(), axes, strict=True)):
         tile_heatmap(
             trace,
             column,
             product=product,
-            batch=batch,
-            head=head,
             log=log,
             ax=ax,
             norm=norm,
-            cbar=_with_bar(i, len(grids)),
+            cbar=_with_bar(i, len(traces)),
+            **selection,
         )
         ax.set_title(name)
-    fig.suptitle(f"{product}: {column} per tile (batch {batch}, head {head})")
+    fig.suptitle(f"{product}: {column} per tile ({_where(batch, head, reduce)})")
+    return fig
+
+
+def comparison_heatmaps(
+    traces: dict,
+    column: str = "prod_err",
+    *,
+    products=None,
+    batch: int = 0,
+    head: int = 0,
+    call: int = 0,
+    reduce: str | None = None,
+    log: bool = True,
+    norm=None,
+) -> Figure:
+    """`column` over (query tile, key tile), one row per product (default: those all traces
+    hold) and the recipes of `traces` (a mapping of titles to `Trace`s or frames) side by
+    side, on one colour scale (`norm`, or one over every panel) with one colour bar."""
+    if not traces:
+        raise ValueError("traces must hold at least one trace")
+    frames = {name: _frame(t) for name, t in traces.items()}
+    products = _products(frames.values(), products, call)
+    selection = dict(batch=batch, head=head, call=call, reduce=reduce)
+    if norm is None:
+        norm = shared_norm(frames, column, products=products, log=log, **selection)
+    fig = Figure(figsize=(3.2 * len(frames) + 1.2, 3.0 * len(products)), layout="constrained")
+    axes = fig.subplots(len(products), len(frames), squeeze=False)
+    for row, product in enumerate(products):
+        for col, (name, frame) in enumerate(frames.items()):
+            ax = axes[row, col]
+            tile_heatmap(
+                frame,
+                column,
+                product=product,
+                log=log,
+                ax=ax,
+                norm=norm,
+                cbar=False,
+                **selection,
+            )
+            ax.set_title(f"{name}: {product}", fontsize=10)
+    bar = ScalarMappable(norm=norm, cmap=CMAP)
+    fig.colorbar(bar, ax=axes.ravel().tolist(), label=colour_label(column, reduce), shrink=0.5)
+    fig.suptitle(f"{column} per tile ({_where(batch, head, reduce)})")
     return fig
 
 
