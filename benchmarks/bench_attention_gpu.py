@@ -27,7 +27,7 @@ from fp4lab.kernels.flash import PQuantizer, attention_forward
 from fp4lab.recipes import KVOrder, RowReference, RowSum, resolve_recipe
 
 SHAPE = dict(B=4, H=16, S=4096, D=128)
-CONFIGS = [(128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
+CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 8, 3)]
 
 
 def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages):
@@ -61,7 +61,9 @@ def check(recipe, causal, block_m, block_n) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--recipes", nargs="+", default=["exact", "nvfp4", "fa4fp4_causal"])
+    parser.add_argument(
+        "--recipes", nargs="+", default=["exact", "nvfp4", "attn_qat", "mxfp4", "fa4fp4_causal"]
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     b, h, s, d = SHAPE["B"], SHAPE["H"], SHAPE["S"], SHAPE["D"]

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from fp4lab.formats import FP32, FloatFormat, QuantSpec, quantize, round_to_format
+from fp4lab.formats import FP8_E4M3FN, FP32, FloatFormat, QuantSpec, quantize, round_to_format
 from fp4lab.recipes import (
     AttentionRecipe,
     KVOrder,
@@ -130,6 +130,22 @@ def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int):
     return store.contiguous(), factor
 
 
+def _fp8_pv(recipe: AttentionRecipe) -> bool:
+    """Whether P V runs on the FP8 tensor cores: P cast to E4M3 and V's values E4M3 codes
+    (an E4M3 cast, or E4M3 with one FP32 or fixed scale per tensor), on a GPU."""
+    v = recipe.v
+    e4m3_v = v == FP8_E4M3FN or (
+        isinstance(v, QuantSpec) and v.element == FP8_E4M3FN and v.block is None and v.scale == FP32
+    )
+    return recipe.p == FP8_E4M3FN and e4m3_v and not _interpreted()
+
+
+def _key_major_fp8(v: torch.Tensor) -> torch.Tensor:
+    """V (B, Hkv, Sk, Dv) as float8_e4m3fn stored with the keys contiguous (the layout FP8
+    matrix instructions take their B operand in), viewed back as (B, Hkv, Sk, Dv)."""
+    return v.to(torch.float8_e4m3fn).transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 def _per_head(scale: torch.Tensor, b: int, h: int, groups: int) -> torch.Tensor:
     """A tensor or per-(batch, group) scale as one value per (batch, head)."""
     if scale.numel() == 1:
@@ -152,6 +168,8 @@ class _TritonAttention(torch.autograd.Function):
             _operand(k, recipe, "k", 1),
             _operand(v, recipe, "v", 1),
         )
+        if _fp8_pv(recipe):
+            vs = _key_major_fp8(vs)
         lazy = recipe.lazy_rescale_log2 if recipe.row_reference is RowReference.LAZY_MAX else None
         o, _ = attention_forward(
             qs,

@@ -288,162 +288,22 @@ def _quantize_p(
     return values, tile_factor
 
 
-# -- the inner loop and the kernel -----------------------------------------------------------------
-@triton.jit
-def _attn_fwd_inner(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_base,
-    v_base,
-    stride_kn,
-    stride_vn,
-    start_m,
-    qk_scale,
-    Sq,
-    Sk,
-    lo,
-    hi,
-    step,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    V_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    LAZY: tl.constexpr,
-    LAZY_LOG2: tl.constexpr,
-    ROW_SUM_Q: tl.constexpr,
-    MODE: tl.constexpr,
-    LIFT: tl.constexpr,
-    EQ_LO: tl.constexpr,
-    EQ_HI: tl.constexpr,
-    E_UNIT: tl.constexpr,
-    E_MAX: tl.constexpr,
-    SQ_LO: tl.constexpr,
-    SQ_HI: tl.constexpr,
-    S_UNIT: tl.constexpr,
-    S_MAX: tl.constexpr,
-    E_LO: tl.constexpr,
-    E_HI: tl.constexpr,
-    QBLOCK: tl.constexpr,
-    RULE: tl.constexpr,
-    ARITH: tl.constexpr,
-    TENSOR: tl.constexpr,
-    EMAX_E: tl.constexpr,
-):
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, V_DIM)
-    for start in range(lo, hi, step):
-        start_n = tl.multiple_of(start, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        inside = offs_n < Sk
-        k = tl.load(
-            k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=inside[None, :], other=0.0
-        )
-        qk = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        keep = inside[None, :] & (offs_m < Sq)[:, None]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None])
-        qk = tl.where(keep, qk, -float("inf"))
-        # -- update m_i --
-        top = tl.maximum(m_i, tl.max(qk, 1))
-        if LAZY:  # keep the old maximum while the tile raises it by at most LAZY_LOG2 bits
-            m_new = tl.where(top - m_i > LAZY_LOG2, top, m_i)
-        else:
-            m_new = top
-        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        # -- quantize P --
-        p_hat, factor = _quantize_p(
-            p,
-            BLOCK_M,
-            BLOCK_N,
-            MODE,
-            LIFT,
-            EQ_LO,
-            EQ_HI,
-            E_UNIT,
-            E_MAX,
-            SQ_LO,
-            SQ_HI,
-            S_UNIT,
-            S_MAX,
-            E_LO,
-            E_HI,
-            QBLOCK,
-            RULE,
-            ARITH,
-            TENSOR,
-            EMAX_E,
-        )
-        # -- update l_i and acc --
-        if ROW_SUM_Q:
-            l_i = l_i * alpha + tl.sum(p_hat, 1) * factor
-        else:
-            l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=inside[:, None], other=0.0
-        )
-        acc = acc * alpha[:, None] + tl.dot(p_hat.to(v.dtype), v) * factor
-        m_i = m_new
-    return acc, l_i, m_i
-
-
+# -- the kernel ------------------------------------------------------------------------------------
+# fmt: off
 @triton.jit
 def _attn_fwd(
-    Q,
-    K,
-    V,
-    Out,
-    LSE,
-    QF,
-    KF,
-    VF,
-    qk_scale,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    H,
-    G,
-    Sq,
-    Sk,
-    HEAD_DIM: tl.constexpr,
-    V_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    REVERSE: tl.constexpr,
-    LAZY: tl.constexpr,
-    LAZY_LOG2: tl.constexpr,
-    ROW_SUM_Q: tl.constexpr,
-    MODE: tl.constexpr,
-    LIFT: tl.constexpr,
-    EQ_LO: tl.constexpr,
-    EQ_HI: tl.constexpr,
-    E_UNIT: tl.constexpr,
-    E_MAX: tl.constexpr,
-    SQ_LO: tl.constexpr,
-    SQ_HI: tl.constexpr,
-    S_UNIT: tl.constexpr,
-    S_MAX: tl.constexpr,
-    E_LO: tl.constexpr,
-    E_HI: tl.constexpr,
-    QBLOCK: tl.constexpr,
-    RULE: tl.constexpr,
-    ARITH: tl.constexpr,
-    TENSOR: tl.constexpr,
+    Q, K, V, Out, LSE, QF, KF, VF, qk_scale,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om,
+    H, G, Sq, Sk,
+    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, REVERSE: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
+    ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr,
+    # P's quantizer (`PQuantizer`)
+    MODE: tl.constexpr, LIFT: tl.constexpr, EQ_LO: tl.constexpr, EQ_HI: tl.constexpr,
+    E_UNIT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
+    S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
+    QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units)."""
@@ -458,11 +318,8 @@ def _attn_fwd(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     rows = offs_m < Sq
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-        mask=rows[:, None],
-        other=0.0,
-    )
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
@@ -475,48 +332,51 @@ def _attn_fwd(
         lo, hi, step = (n_tiles - 1) * BLOCK_N, -1, -BLOCK_N
     else:
         lo, hi, step = 0, n_tiles * BLOCK_N, BLOCK_N
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_base,
-        v_base,
-        stride_kn,
-        stride_vn,
-        start_m,
-        qk_scale,
-        Sq,
-        Sk,
-        lo,
-        hi,
-        step,
-        BLOCK_M,
-        BLOCK_N,
-        HEAD_DIM,
-        V_DIM,
-        CAUSAL,
-        LAZY,
-        LAZY_LOG2,
-        ROW_SUM_Q,
-        MODE,
-        LIFT,
-        EQ_LO,
-        EQ_HI,
-        E_UNIT,
-        E_MAX,
-        SQ_LO,
-        SQ_HI,
-        S_UNIT,
-        S_MAX,
-        E_LO,
-        E_HI,
-        QBLOCK,
-        RULE,
-        ARITH,
-        TENSOR,
-        EMAX_E,
-    )
+    for start in range(lo, hi, step):
+        start_n = tl.multiple_of(start, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        inside = offs_n < Sk
+        k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        k = tl.load(k_ptrs, mask=inside[None, :], other=0.0)  # (HEAD_DIM, BLOCK_N)
+        qk = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        keep = inside[None, :] & rows[:, None]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        qk = tl.where(keep, qk, -float("inf"))
+        # -- update m_i --
+        top = tl.maximum(m_i, tl.max(qk, 1))
+        if LAZY:  # keep the old maximum while the tile raises it by at most LAZY_LOG2 bits
+            m_new = tl.where(top - m_i > LAZY_LOG2, top, m_i)
+        else:
+            m_new = top
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        # -- quantize P --
+        p_hat, factor = _quantize_p(
+            p, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
+            S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+        )
+        # -- update l_i and acc --
+        if ROW_SUM_Q:
+            l_i = l_i * alpha + tl.sum(p_hat, 1) * factor
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
+        if PV_FP8:  # P and V hold E4M3 values: the FP8 tensor cores, V K-major
+            vt_ptrs = v_base + offs_dv[:, None] * stride_vd + offs_n[None, :] * stride_vn
+            vt = tl.load(vt_ptrs, mask=inside[None, :], other=0.0)  # (V_DIM, BLOCK_N)
+            pv = tl.dot(p_hat.to(vt.dtype), tl.trans(vt))
+        else:
+            v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+            v = tl.load(v_ptrs, mask=inside[:, None], other=0.0)  # (BLOCK_N, V_DIM)
+            if MODE == 0:  # unquantized P: its bf16 head and tail, 16 bits of it
+                head = p_hat.to(v.dtype)
+                tail = (p_hat - head.to(tl.float32)).to(v.dtype)
+                pv = tl.dot(tail, v, tl.dot(head, v))
+            else:
+                pv = tl.dot(p_hat.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv * factor
+        m_i = m_new
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
     lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
@@ -524,6 +384,7 @@ def _attn_fwd(
     tl.store(LSE + bh * Sq + offs_m, lse, mask=rows)
     o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=rows[:, None])
+# fmt: on
 
 
 # -- the launcher ----------------------------------------------------------------------------------
@@ -550,21 +411,24 @@ def attention_forward(
     elements) in the kernel's fp32 arithmetic."""
     B, H, Sq, D = q.shape
     Hk, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    o = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)
+    o = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)  # bf16 (fp32 interpreted)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(Sq, block_m), B * H)
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
+    # fmt: off
     _attn_fwd[grid](
         q, k, v, o, lse, qf, kf, vf, scale * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        H, H // Hk, Sq, Sk, HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, REVERSE=reverse, LAZY=lazy_log2 is not None,
-        LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized, MODE=pq.MODE, LIFT=pq.LIFT,
-        EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2], E_MAX=pq.ELEM[3],
-        SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2], S_MAX=pq.SCALE[3],
-        E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK, RULE=pq.RULE,
-        ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(2), v.stride(3), o.stride(0), o.stride(1), o.stride(2),
+        H, H // Hk, Sq, Sk,
+        HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, REVERSE=reverse,
+        LAZY=lazy_log2 is not None, LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized,
+        PV_FP8=v.dtype == torch.float8_e4m3fn,
+        MODE=pq.MODE, LIFT=pq.LIFT, EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2],
+        E_MAX=pq.ELEM[3], SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2],
+        S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
+        RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
         num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+    )
+    # fmt: on
     return o, lse
