@@ -98,7 +98,9 @@ class Study:
         for i, cell in enumerate(cells):
             key = cell_key(cell)
             if key in seen:
-                raise ValueError(f"study {self.name}: cells {seen[key]} and {i} are the same, {key}")
+                raise ValueError(
+                    f"study {self.name}: cells {seen[key]} and {i} are the same, {key}"
+                )
             seen[key] = i
         return cells
 

@@ -5,8 +5,8 @@
 1. load the study, resolve its config (a preset plus ``key=value`` overrides, checked),
    list its cells, and check the device and the backend: every mistake in the arguments is
    an error here, before anything is written;
-2. (rank 0) create the results folder, or, resuming, check that it holds the same study,
-   config, seed, device and backend, and find the cells still to run;
+2. (rank 0) check the results folder: new, or, resuming, holding the same study, config,
+   seed, device and backend; find the cells still to run;
 3. run them. Under ``torchrun`` (RANK and WORLD_SIZE set) the pending cells go round-robin
    to the ranks, one round at a time; after each round every rank's rows are gathered
    (gloo, on the CPU) and rank 0 stores each finished cell, so a killed sweep loses at
@@ -15,10 +15,11 @@
 4. (rank 0) assemble the metrics table from the stored cells in the sweep's order and write
    it, the figures and the report (`rebuild_report` repeats only this step).
 
-The backend is checked by running a one-token `fp4lab.attention` on the device with it, so
-``backend="triton"`` raises the library's own NotImplementedError before any cell runs; a
-study that measures no attention (its BACKENDS names only "reference") refuses the others.
-Nothing falls back to another backend.
+The backend is passed to the study's `fp4lab.attention` calls as given, so what a backend
+does not run raises the library's own error at the first cell, and a study that calls no
+attention backend (its BACKENDS names only "reference") refuses the others up front. Nothing
+falls back to another backend, and the folder is written only once a first cell has
+finished: a run that fails at once leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-import fp4lab
 from fp4lab.backends import BACKENDS
 from fp4lab.studies.config import config_from_dict, config_to_dict
 from fp4lab.studies.discovery import CellContext, Study, cell_key, cell_label, load_study
@@ -97,7 +97,7 @@ def run_study(
     ranks = _Ranks()
     try:
         device = _rank_device(device, ranks)
-        _check_backend(study, backend, device)
+        _check_backend(study, backend)
         record = {
             "study": study.name,
             "preset": preset,
@@ -108,10 +108,12 @@ def run_study(
             "config": config_to_dict(config),
             "cells": len(cells),
         }
-        setup = _on_rank0(ranks, lambda: _prepare(out, record, cells, resume, ranks.world))
+        setup = _on_rank0(ranks, lambda: _prepare(out, record, cells, resume))
         path, pending = Path(setup[0]), setup[1]
-        _sweep(study, config, cells, pending, path, ranks, (device, backend, seed), quiet)
+        opener = _Opener(path, record, len(cells) - len(pending), ranks.world)
+        _sweep(study, config, cells, pending, opener, ranks, (device, backend, seed), quiet)
         if ranks.rank == 0:
+            opener.ensure()
             _finish(path, study, config, record, cells)
         return path
     finally:
@@ -140,21 +142,21 @@ def _rank_device(device: str, ranks: _Ranks) -> str:
     return device
 
 
-def _check_backend(study: Study, backend: str, device: str) -> None:
-    """The library's own error for a backend it lacks; the study's for one it cannot use."""
+def _check_backend(study: Study, backend: str) -> None:
+    """A known backend the study can measure with (`fp4lab.attention` raises its own error
+    for what a backend does not run, at the first cell, before anything is stored)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    x = torch.zeros(1, 1, 1, 8, device=device)
-    fp4lab.attention(x, x, x, "exact", backend=backend)
     if backend not in study.backends:
         raise NotImplementedError(
-            f"backend={backend!r}: study {study.name} measures no attention call and has no "
-            f"{backend} path; it runs with backend {' or '.join(map(repr, study.backends))}"
+            f"backend={backend!r}: study {study.name} calls no attention backend (it measures "
+            f"with {' or '.join(map(repr, study.backends))} only); no silent fallback"
         )
 
 
-def _prepare(out, record: dict, cells: list[dict], resume: bool, world: int):
-    """(rank 0) The folder, created or checked, and the indices of the cells still to run."""
+def _prepare(out, record: dict, cells: list[dict], resume: bool) -> tuple[str, list[int]]:
+    """(rank 0) The folder, checked, and the indices of the cells still to run; nothing is
+    written until a cell has finished (`_Opener`)."""
     path = _default_out(record) if out is None else Path(out)
     config_path = path / "config.json"
     if config_path.exists():
@@ -164,20 +166,34 @@ def _prepare(out, record: dict, cells: list[dict], resume: bool, world: int):
         _check_same_run(read_json(config_path), record, path)
     elif path.exists() and any(path.iterdir()):
         raise ValueError(f"out: {path} exists and is not a study's results folder")
-    else:
-        write_json(config_path, record)
     done = read_cells(path)
     for index, stored in done.items():
         if index >= len(cells) or stored["cell"] != cells[index]:
             raise ValueError(f"--resume: {path}/cells holds cell {index} = {stored['cell']}, "
                              "which this study's sweep does not have there")
-    env_path = path / "environment.json"
-    sessions = read_json(env_path)["sessions"] if env_path.exists() else []
-    session = environment(record["device"], record["seed"], world)
-    session["started"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    session["cells_done_before"] = len(done)
-    write_json(env_path, {"sessions": [*sessions, session]})
     return str(path), [i for i in range(len(cells)) if i not in done]
+
+
+class _Opener:
+    """(rank 0) Writes config.json (if new) and this session's environment once, when the
+    first result is to be stored: a run whose first cell fails leaves nothing behind."""
+
+    def __init__(self, path: Path, record: dict, done: int, world: int) -> None:
+        self.path, self.record, self.done, self.world = path, record, done, world
+        self.opened = False
+
+    def ensure(self) -> None:
+        if self.opened:
+            return
+        if not (self.path / "config.json").exists():
+            write_json(self.path / "config.json", self.record)
+        env_path = self.path / "environment.json"
+        sessions = read_json(env_path)["sessions"] if env_path.exists() else []
+        session = environment(self.record["device"], self.record["seed"], self.world)
+        session["started"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        session["cells_done_before"] = self.done
+        write_json(env_path, {"sessions": [*sessions, session]})
+        self.opened = True
 
 
 def _default_out(record: dict) -> Path:
@@ -201,7 +217,7 @@ def _check_same_run(stored: dict, record: dict, path: Path) -> None:
                              f"{record[key]!r}")
 
 
-def _sweep(study, config, cells, pending, path, ranks, run, quiet) -> None:
+def _sweep(study, config, cells, pending, opener: _Opener, ranks, run, quiet) -> None:
     """Run the pending cells, a round of one cell per rank at a time; rank 0 stores them."""
     device, backend, seed = run
     bar = tqdm(
@@ -219,11 +235,12 @@ def _sweep(study, config, cells, pending, path, ranks, run, quiet) -> None:
                 ctx = CellContext(device, backend, seed, cell_seed(seed, cells[mine]), mine)
                 result = _run_cell(study, config, cells[mine], ctx, ranks.world > 1)
             results = ranks.gather(result)
-            if ranks.rank == 0:
-                for done in results:
-                    if done is not None and "rows" in done:
-                        write_cell(path, done["index"], cells[done["index"]], done["seed"],
-                                   done["rows"])
+            stored = [r for r in results if r is not None and "rows" in r]
+            if ranks.rank == 0 and stored:
+                opener.ensure()
+                for done in stored:
+                    write_cell(opener.path, done["index"], cells[done["index"]], done["seed"],
+                               done["rows"])
             _raise_failures(results, result, ranks)
             bar.update(len(round_))
 

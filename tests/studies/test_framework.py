@@ -1,0 +1,310 @@
+"""The study framework on a toy study (tests/studies/toy): configs from strings and JSON,
+the results folder, reruns, resumption after a kill, two gloo ranks, backends, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pandas as pd
+import pytest
+
+import fp4lab.studies.discovery as discovery
+from fp4lab.studies import (
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    load_study,
+    rebuild_report,
+    run_study,
+)
+from fp4lab.studies.cli import add_study_commands
+
+TOY = Path(__file__).resolve().parent / "toy"
+ROOT = Path(__file__).resolve().parents[2]
+FILES = ("config.json", "environment.json", "metrics.parquet", "metrics.csv", "report.md")
+
+
+def run_toy(out: Path, *overrides: str, **options) -> pd.DataFrame:
+    options.setdefault("quiet", True)
+    preset = options.pop("preset", "smoke")
+    run_study("toy-sweep", preset, list(overrides), out=out, folder=TOY, **options)
+    return pd.read_parquet(out / "metrics.parquet")
+
+
+@dataclass(frozen=True)
+class Every:
+    n: int = 1
+    x: float = 0.5
+    flag: bool = False
+    word: str = "a"
+    choice: Literal["one", "two"] = "one"
+    items: tuple[float, ...] = (1.0,)
+    names: tuple[str, ...] = ()
+    maybe: int | None = None
+
+
+# -- configs -------------------------------------------------------------------------------
+
+
+def test_overrides_are_parsed_into_each_fields_type():
+    got = apply_overrides(
+        Every(),
+        ["n=3", "x=1e-3", "flag=yes", "word=b=c", "choice=two", "items=1, 2.5,inf", "names=",
+         "maybe=none"],
+    )
+    assert got == Every(3, 1e-3, True, "b=c", "two", (1.0, 2.5, math.inf), (), None)
+    assert apply_overrides(Every(), ["maybe=7"]).maybe == 7
+
+
+@pytest.mark.parametrize(
+    "entry, words",
+    [
+        ("m=1", "unknown key 'm'"),
+        ("n=1.5", "n takes a int"),
+        ("x=abc", "x takes a float"),
+        ("flag=maybe", "flag takes a bool"),
+        ("choice=three", "choice takes a one of one, two"),
+        ("items=1,x", "items takes a comma-separated list of float"),
+        ("n", "expected key=value"),
+    ],
+    ids=["unknown", "int", "float", "bool", "literal", "list", "no-equals"],
+)
+def test_bad_overrides_name_the_key(entry, words):
+    with pytest.raises(ValueError, match=words):
+        apply_overrides(Every(), [entry])
+
+
+def test_config_json_round_trip_without_code():
+    config = Every(2, -math.inf, True, "z", "two", (0.25, math.nan), ("p", "q"), 4)
+    text = json.dumps(config_to_dict(config))
+    back = config_from_dict(Every, json.loads(text))
+    assert back.items[1] != back.items[1] and back.items[:1] == (0.25,) and back.x == -math.inf
+    assert back.names == ("p", "q") and back.maybe == 4
+    with pytest.raises(ValueError, match="n must be a int"):
+        config_from_dict(Every, {"n": "2"})
+    with pytest.raises(ValueError, match="unknown key 'zz'"):
+        config_from_dict(Every, {"zz": 1})
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["cellz=3"], "unknown key 'cellz'"),
+        (["cells=three"], "cells takes a int"),
+        (["cells=0"], "cells must be >= 1"),  # the config's own check
+        (["kind=normal"], "kind takes a one of gauss, uniform"),
+    ],
+    ids=["unknown-key", "wrong-type", "config-check", "bad-choice"],
+)
+def test_bad_set_fails_before_anything_runs(tmp_path, overrides, words):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=words):
+        run_toy(out, *overrides)
+    assert not out.exists()
+
+
+def test_bad_arguments_fail_before_anything_runs(tmp_path):
+    out = tmp_path / "run"
+    for options, words in (
+        ({"device": "tpu"}, "device must be"),
+        ({"backend": "cuda"}, "backend must be one of"),
+        ({"seed": -1}, "seed must be"),
+        ({"preset": "medium"}, "preset must be one of"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            run_toy(out, **options)
+    with pytest.raises(ValueError, match="unknown study 'nope'; known: toy-sweep"):
+        run_study("nope", folder=TOY)
+    assert not out.exists()
+
+
+def test_triton_backend_raises_the_librarys_error_and_never_falls_back(tmp_path):
+    """The toy's fp4lab.attention call gets backend='triton' as given: the library refuses
+    float32 CPU tensors (or a missing triton) at the first cell, and nothing is written."""
+    with pytest.raises((NotImplementedError, ValueError), match="[Tt]riton"):
+        run_toy(tmp_path / "run", backend="triton")
+    assert not (tmp_path / "run").exists()
+
+
+# -- the results folder ----------------------------------------------------------------------
+
+
+def test_results_folder_holds_every_file(tmp_path):
+    metrics = run_toy(tmp_path / "run")
+    for name in FILES:
+        assert (tmp_path / "run" / name).is_file(), name
+    assert (tmp_path / "run" / "figures" / "values.png").stat().st_size > 0
+    assert sorted(p.name for p in (tmp_path / "run" / "cells").iterdir()) == [
+        f"0000{i}.json" for i in range(4)
+    ]
+    assert list(metrics.columns[:4]) == ["cell", "i", "parity", "cell_seed"]
+    assert len(metrics) == 8 and metrics["value"].notna().all()
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["study"] == "toy-sweep" and config["config"]["cells"] == 4
+    env = json.loads((tmp_path / "run" / "environment.json").read_text())["sessions"][0]
+    assert {"fp4lab", "git_commit", "torch", "device", "seed"} <= set(env)
+    assert pd.read_csv(tmp_path / "run" / "metrics.csv")["value"].tolist() == pytest.approx(
+        metrics["value"].tolist(), rel=1e-12
+    )
+    assert not list((tmp_path / "run").rglob(".*.tmp"))
+
+
+def test_rerun_with_the_same_seed_gives_identical_metrics(tmp_path):
+    first = run_toy(tmp_path / "a", seed=3)
+    again = run_toy(tmp_path / "b", seed=3)
+    other = run_toy(tmp_path / "c", seed=4)
+    pd.testing.assert_frame_equal(first, again)
+    assert not first["value"].equals(other["value"])
+
+
+def test_an_existing_run_is_not_overwritten_and_resume_checks_the_config(tmp_path):
+    run_toy(tmp_path / "run")
+    with pytest.raises(ValueError, match="holds a run already; pass --resume"):
+        run_toy(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"different config \(scales=\[0.5, 2.0\]\)"):
+        run_toy(tmp_path / "run", "scales=1", resume=True)
+    with pytest.raises(ValueError, match="was run with seed=0, not 1"):
+        run_toy(tmp_path / "run", seed=1, resume=True)
+
+
+def test_report_is_rebuilt_from_the_stored_metrics(tmp_path):
+    run_toy(tmp_path / "run")
+    report = (tmp_path / "run" / "report.md").read_text()
+    (tmp_path / "run" / "report.md").unlink()
+    (tmp_path / "run" / "figures" / "values.png").unlink()
+    (tmp_path / "run" / "cells" / "00000.json").unlink()  # not read: nothing is recomputed
+    assert rebuild_report(tmp_path / "run", folder=TOY).read_text() == report
+    assert (tmp_path / "run" / "figures" / "values.png").exists()
+
+
+# -- interrupted runs ------------------------------------------------------------------------
+
+
+def test_a_run_that_fails_after_k_cells_resumes_to_the_same_table(tmp_path, monkeypatch):
+    whole = run_toy(tmp_path / "whole", "cells=6")
+    module = load_study("toy-sweep", TOY).module
+    real, calls = module.run_cell, []
+
+    def dies_at_the_fourth(config, cell, ctx):
+        calls.append(cell["i"])
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # as a Ctrl-C or a kill would, mid-sweep
+        return real(config, cell, ctx)
+
+    monkeypatch.setattr(module, "run_cell", dies_at_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        run_toy(tmp_path / "cut", "cells=6")
+    assert len(list((tmp_path / "cut" / "cells").glob("*.json"))) == 3
+    assert not (tmp_path / "cut" / "metrics.parquet").exists()
+    (tmp_path / "cut" / "cells" / ".00003.json.x.tmp").write_text("{half")  # a torn write
+    monkeypatch.setattr(module, "run_cell", real)
+    calls.clear()
+    resumed = run_toy(tmp_path / "cut", "cells=6", resume=True)
+    pd.testing.assert_frame_equal(resumed, whole)
+    sessions = json.loads((tmp_path / "cut" / "environment.json").read_text())["sessions"]
+    assert [s["cells_done_before"] for s in sessions] == [0, 3]
+
+
+def _command(out: Path, *extra: str) -> list[str]:
+    code = (
+        "import sys; from fp4lab.studies import run_study; "
+        f"run_study('toy-sweep', 'full', sys.argv[2:], out=sys.argv[1], folder={str(TOY)!r}, "
+        "quiet=True, resume=True)"
+    )
+    return [sys.executable, "-c", code, str(out), *extra]
+
+
+def test_a_killed_process_resumes_to_the_same_table(tmp_path):
+    """SIGKILL while cells are running (some stored, one in flight), then --resume."""
+    whole = run_toy(tmp_path / "whole", "cells=8")
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_command(out, "cells=8", "pause=0.4"), cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while len(list((out / "cells").glob("0*.json"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stored = len(list((out / "cells").glob("0*.json")))
+    assert 3 <= stored < 8 and not (out / "metrics.parquet").exists()
+    subprocess.run(_command(out, "cells=8", "pause=0.4"), cwd=ROOT, check=True, timeout=120)
+    resumed = pd.read_parquet(out / "metrics.parquet")
+    pd.testing.assert_frame_equal(resumed.drop(columns="cell"), whole.drop(columns="cell"))
+    assert resumed["cell"].tolist() == whole["cell"].tolist()
+
+
+def test_two_gloo_ranks_give_the_table_of_one_process(tmp_path):
+    """torchrun --nproc_per_node 2 on the CPU: cells round-robin, rank 0 writes the folder."""
+    one = run_toy(tmp_path / "one", "cells=5")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    code = _command(tmp_path / "two", "cells=5")[2]
+    script = tmp_path / "launch.py"
+    script.write_text(code.replace("; ", "\n"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(script),
+         str(tmp_path / "two"), "cells=5"],
+        cwd=ROOT, check=True, env=env, capture_output=True, timeout=120,
+    )
+    two = pd.read_parquet(tmp_path / "two" / "metrics.parquet")
+    pd.testing.assert_frame_equal(two, one)
+    env = json.loads((tmp_path / "two" / "environment.json").read_text())["sessions"][0]
+    assert env["world_size"] == 2
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """A parser of our own with the study commands, reading the toy studies."""
+    monkeypatch.setattr(discovery, "studies_dir", lambda: TOY)
+    parser = argparse.ArgumentParser(prog="fp4lab")
+    add_study_commands(parser.add_subparsers(dest="command", required=True))
+
+    def call(*argv: str) -> int:
+        args = parser.parse_args(argv)
+        return args.run(args)
+
+    call.parser = parser
+    return call
+
+
+def test_cli_lists_runs_and_rebuilds(cli, tmp_path, capsys):
+    assert cli("study", "list", "--config") == 0
+    out = capsys.readouterr().out
+    assert "toy-sweep: Does the framework" in out
+    assert "scales (comma-separated list of float): smoke (0.5, 2.0), full (0.5, 2.0)" in out
+    run = tmp_path / "run"
+    assert cli("study", "run", "toy-sweep", "--set", "cells=2", "--set", "size=8", "--out",
+               str(run), "--seed", "5", "--quiet") == 0
+    assert f"Wrote {run}" in capsys.readouterr().out
+    config = json.loads((run / "config.json").read_text())
+    assert config["overrides"] == ["cells=2", "size=8"] and config["seed"] == 5
+    assert "--set cells=2 --set size=8 --seed 5" in (run / "report.md").read_text()
+    assert cli("study", "report", str(run)) == 0
+    with pytest.raises(ValueError, match="unknown key 'sise'"):
+        cli("study", "run", "toy-sweep", "--set", "sise=8", "--out", str(tmp_path / "x"))
+
+
+def test_every_cli_option_has_help(cli):
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:  # argparse keeps its subparsers here
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    yield from parsers(child)
+
+    for parser in parsers(cli.parser):
+        for action in parser._actions:
+            if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                assert action.help, f"{parser.prog} {action.dest} has no help"
