@@ -9,6 +9,9 @@ about 1e-7 relative, which the bf16 output turns into an occasional one-ulp (2^-
 difference, plus the rare P element that sits within that error of a rounding boundary of
 its format and rounds the other way. The budget below (2e-4 relative L2) covers that and is
 two to three orders of magnitude below each recipe's own error against exact attention.
+Where the kernel multiplies P V on a GPU's FP8 tensor cores (P and V holding E4M3 values),
+Hopper accumulates part of each product in reduced precision (as FlashAttention-3's FP8
+path does), which the simulation does not model: measured 5e-4 on the H200, budget 2e-3.
 """
 
 import pytest
@@ -16,8 +19,11 @@ import torch
 
 import fp4lab
 from fp4lab.analysis import attention as reference_attention
+from fp4lab.recipes import resolve_recipe
 
 pytest.importorskip("triton")
+from fp4lab.kernels.backend import _fp8_pv  # noqa: E402
+
 # the interpreter evaluates masked-out lanes too (inf - inf there); the kernel discards them
 pytestmark = pytest.mark.filterwarnings(
     "ignore:invalid value:RuntimeWarning", "ignore:divide by zero:RuntimeWarning"
@@ -25,6 +31,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BUDGET = 2e-4
+FP8_PV_BUDGET = 2e-3  # FP8 tensor cores' reduced-precision accumulation (GPU only)
 RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_alpha_ceil", "nvfp4_ue5m3",
     "fa4fp4_causal", "fa3_fp8", "attn_qat", "fa4fp4_causal_mxfp8pv", "fp8_per_tensor",
@@ -52,7 +59,8 @@ def test_the_kernel_is_the_simulation_up_to_summation_order(recipe, causal):
     assert got.shape == want.shape and got.dtype == q.dtype
     assert torch.isfinite(got.float()).all()
     diff, own = rel(got, want), rel(want, exact)
-    assert diff <= BUDGET, f"{recipe}: kernel vs simulation {diff:.2e} (recipe's error {own:.2e})"
+    budget = FP8_PV_BUDGET if DEVICE == "cuda" and _fp8_pv(resolve_recipe(recipe)) else BUDGET
+    assert diff <= budget, f"{recipe}: kernel vs simulation {diff:.2e} (recipe's error {own:.2e})"
 
 
 def test_padded_query_rows_do_not_move_a_tile_scale():
