@@ -25,6 +25,7 @@ parts every study gets wrong alone; written once here they are tested once
 from fp4lab.studies.config import apply_overrides, config_from_dict, config_to_dict
 from fp4lab.studies.discovery import CellContext, Study, list_studies, load_study, studies_dir
 from fp4lab.studies.runner import cell_seed, rebuild_report, run_study
+from fp4lab.studies.text import markdown_table, number
 
 __all__ = [
     "CellContext",
@@ -38,4 +39,6 @@ __all__ = [
     "apply_overrides",
     "config_from_dict",
     "config_to_dict",
+    "markdown_table",
+    "number",
 ]
