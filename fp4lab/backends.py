@@ -35,6 +35,7 @@ def attention(
     block_m: int | None = None,
     block_n: int | None = None,
     attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     backend: str = "reference",
 ) -> torch.Tensor:
     """Scaled dot-product attention with quantized operands, on `backend`.
@@ -54,7 +55,7 @@ def attention(
         )
     options = dict(
         causal=causal, scale=scale, trace=trace, generator=generator, block_m=block_m,
-        block_n=block_n, attn_mask=attn_mask,
+        block_n=block_n, attn_mask=attn_mask, dropout_p=dropout_p,
     )  # fmt: skip
     if backend == "triton":
         return _triton_attention()(q, k, v, recipe, **options)

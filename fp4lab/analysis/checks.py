@@ -105,12 +105,21 @@ def _check_divides(recipe, field: str, block: int, extent: Extent, size: int | N
     )
 
 
-def generator_for(recipe: AttentionRecipe, generator) -> torch.Generator | None:
-    """The call's generator; a stochastic recipe without one is an error."""
+def generator_for(recipe: AttentionRecipe, generator, dropout_p: float = 0.0):
+    """The call's generator; a stochastic recipe or dropout without one is an error, and so
+    is a dropout probability outside [0, 1)."""
+    ok = isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool)
+    if not ok or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     gen = as_generator(generator)
-    if recipe.stochastic and gen is None:
+    if gen is None and (recipe.stochastic or dropout_p > 0):
+        why = (
+            f"recipe {recipe.name!r} rounds stochastically"
+            if recipe.stochastic
+            else (f"dropout_p={dropout_p} draws a dropout mask")
+        )
         raise ValueError(
-            f"generator: recipe {recipe.name!r} rounds stochastically; pass a torch.Generator "
-            "or an int seed (fp4lab never draws from torch's global random state)"
+            f"generator: {why}; pass a torch.Generator or an int seed (fp4lab never draws "
+            "from torch's global random state)"
         )
     return gen

@@ -34,6 +34,7 @@ class CallConfig:
     trace: Trace | None
     attn_mask: torch.Tensor | None
     seed: int | None = None  # the int seed the caller gave, if any (then the run reproduces)
+    dropout_p: float = 0.0  # the probability of dropping an attention weight
 
     def tiling(self, q: torch.Tensor, k: torch.Tensor) -> Tiling:
         """The call's tiles for q (B, H, Sq, D) and k (B, Hkv, Sk, D)."""
@@ -58,7 +59,8 @@ class Pass:
     def start(cls, cfg: CallConfig, t: Tiling, counts: bool) -> Pass:
         """A new pass: a stochastic recipe draws the pass's key from the call's generator
         now (the forward first, the backward after it)."""
-        draws = Draws(cfg.generator, t.bm, t.bn) if cfg.recipe.stochastic else None
+        random = cfg.recipe.stochastic or cfg.dropout_p > 0
+        draws = Draws(cfg.generator, t.bm, t.bn) if random else None
         mask = MaskTiles(cfg.attn_mask, t) if cfg.attn_mask is not None else None
         return cls(cfg, t, mask, draws, counts)
 

@@ -67,7 +67,7 @@ from fp4lab.analysis.observe import BackwardTrace, ForwardTrace, begin_trace
 from fp4lab.analysis.online_softmax import OnlineSoftmax, rescale_add
 from fp4lab.analysis.p_quant import quantize_p
 from fp4lab.analysis.quantizers import Quantized, quantize_field
-from fp4lab.analysis.streams import Draws, ZeroDraws
+from fp4lab.analysis.streams import DROPOUT_STREAM, Draws, ZeroDraws
 from fp4lab.analysis.tiling import (
     TileBlock,
     Tiling,
@@ -136,6 +136,17 @@ class ForwardStep:
     pv: torch.Tensor  # P^ V^ per tile pair, (..., n, g, bm, Dv)
     weights: tuple
     skipped: torch.Tensor | None
+    keep: torch.Tensor | None  # dropout's kept weights scaled by 1 / (1 - p), or None
+
+
+def _dropout(block: TileBlock, ps: Pass, draws, like: torch.Tensor) -> torch.Tensor | None:
+    """Dropout's mask of a block of tiles as M / (1 - p) (M = 1 where a weight is kept),
+    drawn by position from `draws` (the forward's, in both passes), or None without dropout."""
+    p = ps.cfg.dropout_p
+    if p == 0:
+        return None
+    u = draws.for_tiles(DROPOUT_STREAM, like, (block.i0, block.j0))
+    return (u >= p).to(like.dtype) / (1 - p)
 
 
 def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, ps: Pass) -> ForwardStep:
@@ -145,21 +156,25 @@ def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, ps: Pass) 
     p, m_j, weights = sm.advance(s, block.t.reverse)
     # -- quantize P --
     p_hat, diagonal = _forward_p(p, s, m_j, ps, block)
-    # -- update l_i and acc --
+    # -- update l_i and acc -- (dropout drops weights of P V; l_i sums them all, as SDPA)
     v_j = ops.v[:, :, block.j0 : block.j1]
+    keep = _dropout(block, ps, ps.draws, p)
+    weights_pv = p_hat.values if keep is None else p_hat.values * keep
     if diagonal is None:
-        pv = times_key(p_hat.values, v_j)  # (B, Hkv, G, n, g, bm, Dv)
+        pv = times_key(weights_pv, v_j)  # (B, Hkv, G, n, g, bm, Dv)
     else:  # the leakage fix: P's diagonal blocks times V's, unquantized
-        pv = times_key(p_hat.values.masked_fill(diagonal, 0), v_j)
-        pv += times_key(p.masked_fill(~diagonal, 0), ops.v_plain[:, :, block.j0 : block.j1])
+        exact_p = p if keep is None else p * keep
+        pv = times_key(weights_pv.masked_fill(diagonal, 0), v_j)
+        pv += times_key(exact_p.masked_fill(~diagonal, 0), ops.v_plain[:, :, block.j0 : block.j1])
     zero_skipped(pv, skipped)
     consumed = ps.recipe.row_sum is RowSum.QUANTIZED_P
     rescale_add(sm.l_i, weights, (p_hat.values if consumed else p).sum(-1))
     rescale_add(sm.acc, weights, pv)
     if sm.acc_prime is not None:  # Attn-QAT's O' = (P V^) / sum P
-        rescale_add(sm.acc_prime, weights, zero_skipped(times_key(p, v_j), skipped))
+        p_kept = p if keep is None else p * keep
+        rescale_add(sm.acc_prime, weights, zero_skipped(times_key(p_kept, v_j), skipped))
         rescale_add(sm.l_prime, weights, p.sum(-1))
-    return ForwardStep(block, s_raw, s, unmasked, p, m_j, p_hat, pv, weights, skipped)
+    return ForwardStep(block, s_raw, s, unmasked, p, m_j, p_hat, pv, weights, skipped, keep)
 
 
 def _forward_p(p, s, m_j, ps: Pass, block: TileBlock):
@@ -301,6 +316,7 @@ class BackwardOperands:
     k_dq: torch.Tensor  # K in dQ = dS K, key side
     q_dk: torch.Tensor  # Q in dK = dS^T Q, query side
     replay: Replay | None = None  # to rebuild the forward's own P^
+    dropout_draws: Draws | None = None  # the forward's draws, for dropout's mask
 
 
 @dataclass
@@ -343,6 +359,7 @@ class BackwardStep:
     dv: torch.Tensor  # each tile pair's P^T dO, (..., n, g, bn, Dv)
     dq: torch.Tensor  # each tile pair's dS K, (..., n, g, bm, D)
     dk: torch.Tensor  # each tile pair's dS^T Q, (..., n, g, bn, D)
+    keep: torch.Tensor | None  # dropout's kept weights scaled by 1 / (1 - p), or None
 
 
 def _backward_step(ops: BackwardOperands, ps: Pass, block: TileBlock, rows) -> BackwardStep:
@@ -363,17 +380,22 @@ def _backward_step(ops: BackwardOperands, ps: Pass, block: TileBlock, rows) -> B
         p_dv = Quantized(p_fwd)
     else:
         p_dv = quantize_field(p, "dv_p", ps, at)
-    # -- dV_j += P^T dO_i --
-    dv = zero_skipped(t_times_query(p_dv.values, ops.do_dv[:, :, :, i0:i1]), skipped)
+    # -- dV_j += P^T dO_i -- (with dropout's mask on P, and on dP below)
+    keep = _dropout(block, ps, ops.dropout_draws, p)
+    p_dropped = p_dv.values if keep is None else p_dv.values * keep
+    dv = zero_skipped(t_times_query(p_dropped, ops.do_dv[:, :, :, i0:i1]), skipped)
     # -- dS = P * (dP - D) --
     dp = pairs(ops.do_dp[:, :, :, i0:i1], ops.v_dp[:, :, j0:j1])
-    ds = torch.sub(dp, delta_c).mul_(p_dv.values if recipe.ds_p is DsP.DV_OPERAND else p)
+    dp_kept = dp if keep is None else dp * keep
+    ds = torch.sub(dp_kept, delta_c).mul_(p_dv.values if recipe.ds_p is DsP.DV_OPERAND else p)
     # -- dQ_i += dS K_j, dK_j += dS^T Q_i --
     ds_dq = quantize_field(ds, "dq_ds", ps, at)
     dq = zero_skipped(times_key(ds_dq.values, ops.k_dq[:, :, j0:j1]), skipped)
     ds_dk = quantize_field(ds, "dk_ds", ps, at)
     dk = zero_skipped(t_times_query(ds_dk.values, ops.q_dk[:, :, :, i0:i1]), skipped)
-    return BackwardStep(block, s, unmasked, lse_c, p, p_dv, dp, ds, ds_dq, ds_dk, p_fwd, dv, dq, dk)
+    return BackwardStep(
+        block, s, unmasked, lse_c, p, p_dv, dp, ds, ds_dq, ds_dk, p_fwd, dv, dq, dk, keep
+    )
 
 
 # -- the backward --------------------------------------------------------------------------------
@@ -472,7 +494,7 @@ def _backward_operands(do, inputs, fwd: Forwarded, ps: Pass):
         }
         quant.update({name: _forward_counts(*args, ps) for name, args in forward.items()})
     tiles = {name: getattr(t, _TILER[name])(quant[name].values) for name in quant}
-    return quant, BackwardOperands(scores=scores, replay=replay, **tiles)
+    return quant, BackwardOperands(scores=scores, replay=replay, dropout_draws=saved.draws, **tiles)
 
 
 def _forward_counts(x, x_hat, field: str, ps: Pass) -> Quantized:
@@ -538,6 +560,7 @@ def attention(
     block_m: int | None = None,
     block_n: int | None = None,
     attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Scaled dot-product attention, FlashAttention-style, with quantized operands.
 
@@ -584,6 +607,11 @@ def attention(
             Tiles need not divide Sq and Sk.
         attn_mask: optional mask broadcastable to (B, H, Sq, Sk), boolean (True takes part)
             or additive float, as SDPA's; it gets no gradient.
+        dropout_p: the probability of dropping each attention weight, as SDPA's: the output
+            is (P^ * M / (1 - p)) V^ / l with M a keep-mask of the normalized weights (l sums
+            every weight), and the backward multiplies dV's P and dP by the same mask. M is
+            drawn by position from the call's generator (required then), in the forward's
+            stream, so the backward sees the same mask; the trace records p.
 
     Fully masked rows (a boolean mask that excludes every key of a row, or Sk = 0) give an
     output row of zeros and zero gradients, as SDPA's CPU and flash kernels do. NaN in q or
@@ -605,7 +633,7 @@ def attention(
     check_tiling(recipe, q.shape[-1], v.shape[-1], block_m, block_n)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    gen = generator_for(recipe, generator)
+    gen = generator_for(recipe, generator, dropout_p)
     if q.shape[2] == 0:  # no queries: an empty output, still connected to the inputs' graph
         return q.new_zeros(*q.shape[:3], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
     q, k = _transform_qk(q, k, recipe)
@@ -619,6 +647,7 @@ def attention(
         trace=trace,
         attn_mask=attn_mask,
         seed=generator if isinstance(generator, int) and not isinstance(generator, bool) else None,
+        dropout_p=float(dropout_p),
     )
     return _FlashAttention.apply(q, k, v, cfg)
 
@@ -642,8 +671,8 @@ def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **opti
     index per SDPA call, so per layer); `options` (generator, block_m, block_n) are passed
     on; an int seed becomes one torch.Generator for the whole block, so successive calls
     (layers, steps) draw fresh stochastic-rounding noise from one reproducible stream. 3-D
-    inputs (N, L, E) are treated as one head. dropout_p > 0 raises ValueError: the
-    simulation has no dropout. Calls that look the function up on `torch.nn.functional`
+    inputs (N, L, E) are treated as one head. dropout_p > 0 runs `attention`'s seeded
+    dropout (give a `generator` option). Calls that look the function up on `torch.nn.functional`
     when they run are routed (nn.MultiheadAttention, most model code); a module that bound
     the function to its own name before the block keeps calling the original, so a block
     that routed no call at all ends with a RuntimeWarning saying so.
@@ -668,10 +697,6 @@ def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **opti
     ):
         nonlocal routed_calls
         routed_calls += 1
-        if dropout_p:
-            raise ValueError(
-                f"dropout_p={dropout_p}: fp4lab's attention has no dropout; set it to 0"
-            )
         if query.shape[-3] != key.shape[-3] and query.ndim == 4 and not enable_gqa:
             raise ValueError(
                 "query and key have different head counts; SDPA needs enable_gqa=True for that"
@@ -693,6 +718,7 @@ def patch_sdpa(recipe: AttentionRecipe | str, trace: Trace | None = None, **opti
             scale=scale,
             trace=trace,
             attn_mask=attn_mask,
+            dropout_p=dropout_p,
             **options,
         )
         return out.squeeze(1) if squeeze else out

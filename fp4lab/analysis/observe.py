@@ -50,6 +50,7 @@ def begin_trace(cfg, t: Tiling, q: torch.Tensor, v: torch.Tensor) -> TraceCall |
         "block_m": t.bm,
         "block_n": t.bn,
         "masked": cfg.attn_mask is not None,
+        "dropout_p": cfg.dropout_p,
         "seed": cfg.seed,  # None unless an int seed was given (a Generator may have advanced)
         "generator_initial_seed": cfg.generator.initial_seed()
         if cfg.generator is not None
@@ -125,7 +126,8 @@ class ChunkTrace:
             **prefix(operand_stats(st.p, st.p_hat.values, st.p_hat.counts, extras=p_extras), "a"),
             **prefix(k_block(stats["v"], j0, j1, like), "b"),
         }
-        pv.update(product_stats(st.pv, times_key(st.p.to(v64.dtype), v64), overwrite=True))
+        p_kept = st.p if st.keep is None else st.p * st.keep  # dropout's mask in both products
+        pv.update(product_stats(st.pv, times_key(p_kept.to(v64.dtype), v64), overwrite=True))
         self.rec.add(Product.PV, i0, j0, pv, visible)
         lost = plain - p_extras["kept_mass"]  # flushed P of each row
         self.log_lost[..., j0:j1] = (
@@ -138,7 +140,8 @@ class ChunkTrace:
             )
         p_ref, _, weights = self.exact.advance(s_ref, self.t.reverse, consume=True)
         rescale_add(self.exact.l_i, weights, p_ref.sum(-1))
-        rescale_add(self.exact.acc, weights, zero_skipped(times_key(p_ref, v64), st.skipped))
+        p_ref_kept = p_ref if st.keep is None else p_ref * st.keep.to(p_ref.dtype)
+        rescale_add(self.exact.acc, weights, zero_skipped(times_key(p_ref_kept, v64), st.skipped))
 
     def finish(self, o: torch.Tensor, lse: torch.Tensor) -> None:
         """Per-query-tile statistics of the chunk, and P's lost probability mass per tile."""
@@ -207,6 +210,8 @@ class BackwardTrace:
         )
         like = st.s[..., 0, 0]
         p64, ds64 = st.p.to(q64.dtype), st.ds.to(q64.dtype)
+        if st.keep is not None:  # dV's reference product takes dropout's mask too
+            p64 = p64 * st.keep.to(p64.dtype)
         rows = torch.isfinite(st.lse)  # rows that see a key, (B, Hkv, G, n, 1, bm)
         p_extras, ds_extras = {}, {}
         p_stats = operand_stats(st.p, st.p_dv.values, st.p_dv.counts, extras=p_extras)

@@ -21,7 +21,10 @@ import torch
 
 from fp4lab.recipes import Seq, operand
 
-__all__ = ["Draws", "ZeroDraws"]
+__all__ = ["Draws", "ZeroDraws", "DROPOUT_STREAM"]
+
+# The dropout mask's stream id, after the twelve operands' (`fp4lab.recipes.OPERANDS`).
+DROPOUT_STREAM = 12
 
 _MASK64 = (1 << 64) - 1
 
@@ -55,22 +58,27 @@ class Draws:
         (B, Hkv, G, n, g, r, c) whose first tile is (query tile, key tile) `at`, or, when
         `at` is None, a whole tensor (B, heads, seq, E) taken in tiles of its side's rows."""
         op = operand(field)
-        out = torch.empty(x.shape, dtype=torch.float64)
         if at is not None:
-            i0, j0 = at
-            b_, hk_, g_, n_, m_ = x.shape[:5]
-            for b, hk, g, i, j in itertools.product(*map(range, (b_, hk_, g_, n_, m_))):
-                out[b, hk, g, i, j] = self._uniforms(
-                    op.stream, b, hk * g_ + g, i0 + i, j0 + j, shape=x.shape[-2:]
-                )
-        else:
-            rows = self.rows[op.seq]
-            tiles = range(-(-x.shape[2] // rows))
-            for b, h, i in itertools.product(range(x.shape[0]), range(x.shape[1]), tiles):
-                part = out[b, h, i * rows : (i + 1) * rows]
-                part.copy_(
-                    self._uniforms(op.stream, b, h, i, shape=(rows, x.shape[3]))[: part.shape[0]]
-                )
+            return self.for_tiles(op.stream, x, at)
+        out = torch.empty(x.shape, dtype=torch.float64)
+        rows = self.rows[op.seq]
+        tiles = range(-(-x.shape[2] // rows))
+        for b, h, i in itertools.product(range(x.shape[0]), range(x.shape[1]), tiles):
+            part = out[b, h, i * rows : (i + 1) * rows]
+            part.copy_(
+                self._uniforms(op.stream, b, h, i, shape=(rows, x.shape[3]))[: part.shape[0]]
+            )
+        return out.to(x.device)
+
+    def for_tiles(self, stream: int, x: torch.Tensor, at: tuple[int, int]) -> torch.Tensor:
+        """Uniforms of x's shape for a block of tiles x (B, Hkv, G, n, g, r, c) whose first
+        tile is (query tile, key tile) `at`, from stream `stream`."""
+        out = torch.empty(x.shape, dtype=torch.float64)
+        i0, j0 = at
+        b_, hk_, g_, n_, m_ = x.shape[:5]
+        for b, hk, g, i, j in itertools.product(*map(range, (b_, hk_, g_, n_, m_))):
+            position = (stream, b, hk * g_ + g, i0 + i, j0 + j)
+            out[b, hk, g, i, j] = self._uniforms(*position, shape=x.shape[-2:])
         return out.to(x.device)
 
 

@@ -208,10 +208,13 @@ def attention(
     block_m=None,
     block_n=None,
     attn_mask=None,
+    dropout_p=0.0,
 ):
     """Attention with `recipe` on the Triton kernels (arguments as `fp4lab.attention`)."""
     recipe = resolve_recipe(recipe)
     _check_call(q, k, v, trace, attn_mask)
+    if dropout_p:
+        raise NotImplementedError("dropout_p: the Triton kernels have no dropout yet")
     check_recipe(recipe)
     block_m = block_m or recipe.block_m or _DEFAULT_TILE
     block_n = block_n or recipe.block_n or _DEFAULT_TILE
