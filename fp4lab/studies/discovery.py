@@ -5,7 +5,9 @@ A study module (``studies/<name>.py``, its name the file's with ``_`` read as ``
     QUESTION: str                      the question it answers, in a sentence
     PRESETS: {"smoke": cfg, "full": cfg}  instances of its config dataclass (see `config`)
     cells(config) -> list[dict]        the sweep: each cell a small dict of JSON scalars
-    run_cell(config, cell, ctx) -> rows   one cell's rows (list of dicts, or a DataFrame);
+    run_cell(config, cell, ctx) -> rows   one cell's rows (list of dicts, or a DataFrame),
+                                       or {"metrics": rows, "<table>": rows, ...} to store
+                                       more tables (<table>.parquet, for notebooks);
                                        ctx is a `CellContext` (device, backend, seeds)
     report(config, metrics) -> (markdown, {name: matplotlib Figure})
     BACKENDS (optional): the backends it can measure with (default: all of fp4lab's)
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,18 +107,28 @@ class Study:
             seen[key] = i
         return cells
 
-    def run_cell(self, config, cell: dict, ctx: CellContext) -> list[dict]:
-        """The cell's rows as dicts of JSON scalars."""
-        rows = self.module.run_cell(config, dict(cell), ctx)
-        if hasattr(rows, "to_dict"):
-            rows = rows.to_dict("records")
+    def run_cell(self, config, cell: dict, ctx: CellContext) -> dict[str, list[dict]]:
+        """The cell's tables ("metrics" and any others), rows as dicts of JSON scalars."""
+        found = self.module.run_cell(config, dict(cell), ctx)
+        tables = dict(found) if isinstance(found, dict) else {"metrics": found}
         where = f"study {self.name}, cell {ctx.index}"
-        return [{str(k): plain_value(v, f"{where}, {k}") for k, v in row.items()} for row in rows]
+        if "metrics" not in tables or not all(
+            isinstance(n, str) and re.fullmatch(r"[a-z][a-z0-9_]*", n) for n in tables
+        ):
+            raise ValueError(f"{where}: run_cell must return rows, or a dict of tables named "
+                             f"in lower case with a 'metrics' table, got {sorted(tables)}")
+        return {name: _rows(rows, where) for name, rows in tables.items()}
 
     def report(self, config, metrics):
         """(markdown, {name: Figure}) from the study's `report`."""
         text, figures = self.module.report(config, metrics)
         return text, dict(figures)
+
+
+def _rows(rows, where: str) -> list[dict]:
+    if hasattr(rows, "to_dict"):
+        rows = rows.to_dict("records")
+    return [{str(k): plain_value(v, f"{where}, {k}") for k, v in row.items()} for row in rows]
 
 
 def cell_key(cell: dict) -> str:

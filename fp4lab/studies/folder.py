@@ -3,8 +3,9 @@
     <out>/
       config.json       study, preset, overrides, seed, device, backend and the resolved config
       environment.json  fp4lab version and git commit, torch, Python, the device, the seeds
-      cells/00000.json  one file per finished cell: its parameters, its seed, its rows
+      cells/00000.json  one file per finished cell: its parameters, its seed, its tables' rows
       metrics.parquet   every cell's rows in the sweep's order (and metrics.csv)
+      <table>.parquet   any other table the study's cells return (e.g. per-tile traces)
       figures/<name>.png
       report.md
 
@@ -38,7 +39,7 @@ __all__ = [
     "read_json",
     "write_cell",
     "read_cells",
-    "write_metrics",
+    "write_tables",
     "read_metrics",
     "save_figure",
     "plain_value",
@@ -86,9 +87,9 @@ def plain_value(value: Any, where: str):
                     f"got {type(value).__name__}")
 
 
-def write_cell(folder: Path, index: int, cell: dict, cell_seed: int, rows: list[dict]) -> None:
-    """Store one finished cell (atomically): cells/<index>.json."""
-    record = {"index": index, "cell": cell, "cell_seed": cell_seed, "rows": rows}
+def write_cell(folder: Path, index: int, cell: dict, cell_seed: int, tables: dict) -> None:
+    """Store one finished cell (atomically): cells/<index>.json with its tables' rows."""
+    record = {"index": index, "cell": cell, "cell_seed": cell_seed, "tables": tables}
     text = json.dumps(record, indent=1, allow_nan=True) + "\n"
     atomic_write(Path(folder) / CELLS / f"{index:05d}.json", lambda tmp: tmp.write_text(text))
 
@@ -102,11 +103,12 @@ def read_cells(folder: Path) -> dict[int, dict]:
     return found
 
 
-def write_metrics(folder: Path, frame: pd.DataFrame) -> None:
-    """metrics.parquet and metrics.csv, atomically."""
+def write_tables(folder: Path, tables: dict[str, pd.DataFrame]) -> None:
+    """metrics.parquet and metrics.csv, and <name>.parquet for every other table, atomically."""
     folder = Path(folder)
-    atomic_write(folder / "metrics.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
-    atomic_write(folder / "metrics.csv", lambda tmp: frame.to_csv(tmp, index=False))
+    for name, frame in tables.items():
+        atomic_write(folder / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp))
+    atomic_write(folder / "metrics.csv", lambda tmp: tables["metrics"].to_csv(tmp, index=False))
 
 
 def read_metrics(folder: Path) -> pd.DataFrame:

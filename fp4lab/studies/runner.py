@@ -48,7 +48,7 @@ from fp4lab.studies.folder import (
     save_figure,
     write_cell,
     write_json,
-    write_metrics,
+    write_tables,
 )
 
 __all__ = ["run_study", "rebuild_report", "cell_seed"]
@@ -235,26 +235,29 @@ def _sweep(study, config, cells, pending, opener: _Opener, ranks, run, quiet) ->
                 ctx = CellContext(device, backend, seed, cell_seed(seed, cells[mine]), mine)
                 result = _run_cell(study, config, cells[mine], ctx, ranks.world > 1)
             results = ranks.gather(result)
-            stored = [r for r in results if r is not None and "rows" in r]
+            stored = [r for r in results if r is not None and "tables" in r]
             if ranks.rank == 0 and stored:
                 opener.ensure()
                 for done in stored:
                     write_cell(opener.path, done["index"], cells[done["index"]], done["seed"],
-                               done["rows"])
+                               done["tables"])
             _raise_failures(results, result, ranks)
             bar.update(len(round_))
 
 
 def _run_cell(study: Study, config, cell: dict, ctx: CellContext, catch: bool) -> dict:
-    """One cell's rows, each led by the cell's index, parameters and seed. With several ranks
-    a failure is returned (to be gathered) instead of raised."""
+    """One cell's tables, each row led by the cell's index, parameters and seed. With several
+    ranks a failure is returned (to be gathered) instead of raised."""
     try:
-        rows = [_merge(study, cell, ctx, row) for row in study.run_cell(config, cell, ctx)]
+        tables = {
+            name: [_merge(study, cell, ctx, row) for row in rows]
+            for name, rows in study.run_cell(config, cell, ctx).items()
+        }
     except Exception as err:
         if not catch:
             raise
         return {"index": ctx.index, "error": err, "trace": traceback.format_exc()}
-    return {"index": ctx.index, "seed": ctx.cell_seed, "rows": rows}
+    return {"index": ctx.index, "seed": ctx.cell_seed, "tables": tables}
 
 
 def _merge(study: Study, cell: dict, ctx: CellContext, row: dict) -> dict:
@@ -281,9 +284,14 @@ def _finish(path: Path, study: Study, config, record: dict, cells: list[dict]) -
     missing = [i for i in range(len(cells)) if i not in stored]
     if missing:
         raise RuntimeError(f"cells {missing[:5]} of {path} were not stored")
-    rows = [row for i in range(len(cells)) for row in stored[i]["rows"]]
-    metrics = pd.DataFrame.from_records(rows)
-    write_metrics(path, metrics)
+    names = list(dict.fromkeys(n for i in range(len(cells)) for n in stored[i]["tables"]))
+    tables = {
+        name: pd.DataFrame.from_records(
+            [row for i in range(len(cells)) for row in stored[i]["tables"].get(name, [])]
+        )
+        for name in names
+    }
+    write_tables(path, tables)
     _write_report(path, study, config, record, read_metrics(path))
 
 

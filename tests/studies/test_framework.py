@@ -159,6 +159,14 @@ def test_results_folder_holds_every_file(tmp_path):
     assert not list((tmp_path / "run").rglob(".*.tmp"))
 
 
+def test_cells_may_return_more_tables(tmp_path):
+    metrics = run_toy(tmp_path / "run", "extra=true")
+    tiles = pd.read_parquet(tmp_path / "run" / "tiles.parquet")
+    assert len(tiles) == 2 * 4 and list(tiles.columns) == ["cell", "i", "parity", "cell_seed",
+                                                            "tile", "norm"]
+    assert set(tiles["cell_seed"]) == set(metrics["cell_seed"])
+
+
 def test_rerun_with_the_same_seed_gives_identical_metrics(tmp_path):
     first = run_toy(tmp_path / "a", seed=3)
     again = run_toy(tmp_path / "b", seed=3)

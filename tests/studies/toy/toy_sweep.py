@@ -23,6 +23,7 @@ class ToyConfig:
     kind: Literal["gauss", "uniform"] = "gauss"  # a choice field
     pause: float = 0.0  # seconds each cell sleeps (for the kill test)
     label: str | None = None  # an optional field
+    extra: bool = False  # also return a second table
 
     def __post_init__(self) -> None:
         if self.cells < 1:
@@ -45,6 +46,9 @@ def run_cell(config: ToyConfig, cell: dict, ctx) -> list[dict]:
     for scale in config.scales:
         out = fp4lab.attention(q, k, v, "nvfp4", scale=scale, backend=ctx.backend)
         rows.append({"scale": scale, "value": float(out.double().sum()), "index": ctx.index})
+    if config.extra:
+        return {"metrics": rows, "tiles": [{"tile": t, "norm": float(q[..., t].norm())}
+                                           for t in range(2)]}
     return rows
 
 
