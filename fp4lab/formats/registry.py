@@ -8,10 +8,11 @@ exist, the kernels).
 
 from __future__ import annotations
 
+import difflib
 import enum
 from typing import Any
 
-__all__ = ["register", "get", "names", "unregister", "parse_enum"]
+__all__ = ["register", "get", "names", "unregister", "parse_enum", "closest_first"]
 
 _REGISTRY: dict[str, Any] = {}
 
@@ -42,12 +43,25 @@ def get(name: str, kind: type | tuple[type, ...] | None = None) -> Any:
     try:
         obj = _REGISTRY[name]
     except KeyError:
-        candidates = names(kind)
-        raise ValueError(f"unknown name {name!r}; registered: {', '.join(candidates)}") from None
+        kinds = "" if kind is None else f" {_kind_name(kind)}"
+        listed = ", ".join(closest_first(name, names(kind)))
+        raise ValueError(
+            f"unknown name {name!r}; registered{kinds} names, closest first: {listed}"
+        ) from None
     if kind is not None and not isinstance(obj, kind):
-        wanted = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ValueError(f"{name!r} is a {type(obj).__name__}, not a {wanted}")
+        raise ValueError(f"{name!r} is a {type(obj).__name__}, not a {_kind_name(kind)}")
     return obj
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    return kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+
+
+def closest_first(name: str, candidates: list[str]) -> list[str]:
+    """`candidates` ordered by their similarity to `name` (difflib's ratio), the closest
+    first, ties in registration order."""
+    ratio = lambda c: difflib.SequenceMatcher(None, name, c).ratio()  # noqa: E731
+    return sorted(candidates, key=ratio, reverse=True)
 
 
 def names(kind: type | tuple[type, ...] | None = None) -> list[str]:
