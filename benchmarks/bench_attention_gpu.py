@@ -7,7 +7,10 @@ the kernel reads them; their quantization is timed apart) beside
 `triton.testing.do_bench` (median), at B4 H16 S4096 D128, over a few tile and warp
 configurations. Forward FLOPs count 4 B H S^2 D (half of it causal).
 
-    python benchmarks/bench_attention_gpu.py [--recipes exact nvfp4 fa4fp4_causal] [--out DIR]
+Also (`--reference`): the simulation path itself on CUDA, the `exact` recipe's forward at
+B1 H16 S4096 D128 bf16 beside SDPA (issue 9: within 20x).
+
+    python benchmarks/bench_attention_gpu.py [--recipes exact nvfp4 ...] [--reference] [--out DIR]
 """
 
 from __future__ import annotations
@@ -65,7 +68,13 @@ def main() -> None:
         "--recipes", nargs="+", default=["exact", "nvfp4", "attn_qat", "mxfp4", "fa4fp4_causal"]
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--reference", action="store_true", help="time the simulation on CUDA too")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernels' timings")
     args = parser.parse_args()
+    if args.reference:
+        reference_on_cuda()
+    if args.no_kernels:
+        return
     b, h, s, d = SHAPE["B"], SHAPE["H"], SHAPE["S"], SHAPE["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16() for _ in range(3))
@@ -134,6 +143,28 @@ def main() -> None:
         print(
             f"{r['recipe']:30s} {str(r['causal']):6s} {r['tiles']:16s} {r['ms']:8.3f} "
             f"{r['tflops']:8.1f} {r['x_sdpa']:7.3f} {r['check']:8.1e} {r.get('error', '')}"
+        )
+
+
+def reference_on_cuda() -> None:
+    """The simulation path's exact forward on CUDA beside SDPA, B1 H16 S4096 D128 bf16."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (
+        torch.randn(1, 16, 4096, 128, device="cuda", generator=g).bfloat16() for _ in range(3)
+    )
+    for causal in (False, True):
+        sdpa = triton.testing.do_bench(
+            lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)
+        )
+        ref = triton.testing.do_bench(
+            lambda c=causal: reference_attention(q, k, v, "exact", causal=c), warmup=50, rep=500
+        )
+        out = reference_attention(q, k, v, "exact", causal=causal).float()
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+        err = ((out - want).norm() / want.norm()).item()
+        print(
+            f"reference exact forward on CUDA, causal={causal}: {ref:.2f} ms, SDPA {sdpa:.3f} ms, "
+            f"{ref / sdpa:.1f}x SDPA's time (goal: within 20x); error vs fp32 SDPA {err:.1e}"
         )
 
 

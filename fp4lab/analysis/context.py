@@ -41,7 +41,7 @@ class CallConfig:
         return Tiling(
             B=q.shape[0], H=q.shape[1], Hk=k.shape[1], Sq=q.shape[2], Sk=k.shape[2],
             bm=self.block_m, bn=self.block_n, causal=self.causal,
-            reverse=self.recipe.kv_order is KVOrder.REVERSE,
+            reverse=self.recipe.kv_order is KVOrder.REVERSE, gpu=q.device.type == "cuda",
         )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "BLOCK_ELEMENTS",
+    "GPU_BLOCK_ELEMENTS",
     "Tiling",
     "TileBlock",
     "MaskTiles",
@@ -36,8 +37,12 @@ __all__ = [
 ]
 
 # Elements of one block's tile tensor (B, Hkv, G, n, g, block_m, block_n): the work runs in
-# blocks of at most this size (memory ~ 20x this in floats).
+# blocks of at most this size (memory ~ 20x this in floats). On the CPU a block's temporaries
+# stay near the caches; on a GPU, blocks are sized for the device's memory and launch cost
+# (GPU_BLOCK_ELEMENTS: about 5 GB of temporaries in float32), so that what the kernels do not
+# cover stays usable there.
 BLOCK_ELEMENTS = 1 << 20
+GPU_BLOCK_ELEMENTS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class Tiling:
     bn: int
     causal: bool
     reverse: bool = False
+    gpu: bool = False  # sized for a GPU (GPU_BLOCK_ELEMENTS) rather than a CPU
 
     @property
     def G(self) -> int:
@@ -98,9 +104,11 @@ class Tiling:
     def chunks(self) -> list[tuple[int, int, list[TileBlock]]]:
         """Chunks of query tiles [i0, i1), each with the blocks of key tiles it visits, in
         the kernel's order (last to first with `reverse`). A block's tile tensor holds at
-        most BLOCK_ELEMENTS elements (or one tile pair per (batch, head)); a chunk takes
+        most BLOCK_ELEMENTS (GPU_BLOCK_ELEMENTS on a GPU) elements (or one tile pair per
+        (batch, head)); a chunk takes
         every key tile at once when they fit, and then as many query tiles as fit."""
-        tiles = max(1, BLOCK_ELEMENTS // max(self.B * self.H * self.bm * self.bn, 1))
+        budget = GPU_BLOCK_ELEMENTS if self.gpu else BLOCK_ELEMENTS
+        tiles = max(1, budget // max(self.B * self.H * self.bm * self.bn, 1))
         group = min(tiles, max(self.nK, 1))
         step = max(1, tiles // group)
         out = []
