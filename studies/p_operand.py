@@ -640,8 +640,10 @@ def _sink_figure(config, table: pd.DataFrame, log: bool) -> Figure:
                         fmt="o", color=color, label=f"measured, S = {lift:g}")
             ax.plot(curve["delta"], curve["model"], "-", color=color, label="model (exact)")
             if order == "forward":
-                ax.plot(curve["delta"], curve["closed_form"], "--", color=color,
-                        label="closed form")
+                fine = np.linspace(curve["delta"].min(), curve["delta"].max(), 200)
+                closed = [closed_form(config, {"format": config.sink_format, "delta": d,
+                                               "lift": lift}) for d in fine]
+                ax.plot(fine, closed, "--", color=color, label="closed form")
         ax.set_title(f"{order} key/value order")
         ax.set_xlabel("sink margin Delta")
         if log:

@@ -22,7 +22,7 @@ parts every study gets wrong alone; written once here they are tested once
 (tests/studies/), and a study module is left with its question.
 """
 
-from fp4lab.studies.config import apply_overrides, config_from_dict, config_to_dict
+from fp4lab.studies.config import apply_overrides
 from fp4lab.studies.discovery import CellContext, Study, list_studies, load_study, studies_dir
 from fp4lab.studies.runner import cell_seed, rebuild_report, run_study
 from fp4lab.studies.text import markdown_table, number
@@ -37,8 +37,6 @@ __all__ = [
     "rebuild_report",
     "cell_seed",
     "apply_overrides",
-    "config_from_dict",
-    "config_to_dict",
     "markdown_table",
     "number",
 ]

@@ -9,26 +9,20 @@ without evaluating code:
 `apply_overrides` parses ``key=value`` strings into the fields' types (a tuple is a
 comma-separated list, None is ``none``) and rebuilds the config, so the dataclass's own
 ``__post_init__`` checks run; an unknown key or a value of the wrong type is a ValueError
-naming the key before anything runs. `config_to_dict` and `config_from_dict` map a config to
-and from JSON-ready values (tuples as lists).
+naming the key before anything runs. The config goes to and from ``config.json`` through
+`fp4lab.config` (`to_fields`, `from_fields`), as every fp4lab config does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from typing import Any, Literal, Union
 
-__all__ = [
-    "config_types",
-    "apply_overrides",
-    "parse_value",
-    "config_to_dict",
-    "config_from_dict",
-    "describe_type",
-]
+from fp4lab.config import KIND
+
+__all__ = ["config_types", "apply_overrides", "parse_value", "describe_type"]
 
 _SCALARS = (bool, int, float, str)
 _TRUE = ("true", "yes", "1", "on")
@@ -43,6 +37,9 @@ def config_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     found = {}
     for field in dataclasses.fields(cls):
+        if field.name == KIND:
+            raise TypeError(f"{cls.__name__}.{KIND}: the name {KIND!r} is fp4lab.config's tag "
+                            "of a dataclass's class in config.json; rename the field")
         kind = hints[field.name]
         _check_supported(kind, f"{cls.__name__}.{field.name}")
         found[field.name] = kind
@@ -152,55 +149,3 @@ def apply_overrides(config, overrides: list[str] | tuple[str, ...]):
             )
         changes[key] = parse_value(text, kinds[key], key)
     return dataclasses.replace(config, **changes)
-
-
-def config_to_dict(config) -> dict[str, Any]:
-    """The config's fields as JSON-ready values (tuples become lists)."""
-    return {
-        f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config)
-    }
-
-
-def _plain(value):
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "inf", "-inf", "nan": JSON has no literal for them
-    return value
-
-
-def config_from_dict(cls: type, data: dict[str, Any]):
-    """An instance of the config dataclass `cls` from `config_to_dict`'s output; an unknown
-    key or a value of the wrong type is a ValueError naming the key."""
-    kinds = config_types(cls)
-    unknown = sorted(set(data) - set(kinds))
-    if unknown:
-        raise ValueError(f"config: unknown key {unknown[0]!r}; {cls.__name__} has "
-                         f"{', '.join(kinds)}")
-    return cls(**{key: _from_json(value, kinds[key], key) for key, value in data.items()})
-
-
-def _from_json(value, kind, key: str):
-    inner = _optional(kind)
-    if inner is not None:
-        return None if value is None else _from_json(value, inner, key)
-    item = _tuple_item(kind)
-    if item is not None:
-        if not isinstance(value, list):
-            raise ValueError(f"config: {key} must be a list, got {value!r}")
-        return tuple(_from_json(v, item, key) for v in value)
-    if kind is float and isinstance(value, str):
-        return parse_value(value, float, key)  # "inf", "nan" as config_to_dict writes them
-    if not _is_instance(value, kind):
-        raise ValueError(f"config: {key} must be a {describe_type(kind)}, got {value!r}")
-    return float(value) if kind is float else value
-
-
-def _is_instance(value, kind) -> bool:
-    if _literal(kind) is not None:
-        return value in _literal(kind)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, kind)

@@ -36,7 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fp4lab.backends import BACKENDS
-from fp4lab.studies.config import config_from_dict, config_to_dict
+from fp4lab.config import from_fields, to_fields
 from fp4lab.studies.discovery import CellContext, Study, cell_key, cell_label, load_study
 from fp4lab.studies.folder import (
     FIGURES,
@@ -105,7 +105,7 @@ def run_study(
             "seed": seed,
             "device": _device_kind(device),
             "backend": backend,
-            "config": config_to_dict(config),
+            "config": to_fields(config),
             "cells": len(cells),
         }
         setup = _on_rank0(ranks, lambda: _prepare(out, record, cells, resume))
@@ -303,7 +303,7 @@ def rebuild_report(out: str | Path, *, folder: str | Path | None = None) -> Path
         raise FileNotFoundError(f"out: {out} holds no config.json; not a study's results folder")
     record = read_json(out / "config.json")
     study = load_study(record["study"], folder)
-    config = config_from_dict(study.config_type, record["config"])
+    config = from_fields(study.config_type, record["config"])
     return _write_report(out, study, config, record, read_metrics(out))
 
 

@@ -20,7 +20,7 @@ class ToyConfig:
     cells: int = 6  # number of cells in the sweep
     size: int = 16  # tokens of each cell's attention call
     scales: tuple[float, ...] = (0.5, 2.0)  # a list field: every cell runs each scale
-    kind: Literal["gauss", "uniform"] = "gauss"  # a choice field
+    draw: Literal["gauss", "uniform"] = "gauss"  # a choice field
     pause: float = 0.0  # seconds each cell sleeps (for the kill test)
     label: str | None = None  # an optional field
     extra: bool = False  # also return a second table
@@ -40,8 +40,8 @@ def cells(config: ToyConfig) -> list[dict]:
 def run_cell(config: ToyConfig, cell: dict, ctx) -> list[dict]:
     time.sleep(config.pause)
     gen = torch.Generator().manual_seed(ctx.cell_seed)
-    draw = torch.randn if config.kind == "gauss" else torch.rand
-    q, k, v = (draw(1, 1, config.size, 8, generator=gen) for _ in range(3))
+    sample = torch.randn if config.draw == "gauss" else torch.rand
+    q, k, v = (sample(1, 1, config.size, 8, generator=gen) for _ in range(3))
     rows = []
     for scale in config.scales:
         out = fp4lab.attention(q, k, v, "nvfp4", scale=scale, backend=ctx.backend)
