@@ -24,6 +24,7 @@ parts every study gets wrong alone; written once here they are tested once
 
 from fp4lab.studies.config import apply_overrides
 from fp4lab.studies.discovery import CellContext, Study, list_studies, load_study, studies_dir
+from fp4lab.studies.folder import Results, open_results
 from fp4lab.studies.runner import cell_seed, rebuild_report, run_study
 from fp4lab.studies.text import markdown_table, number
 
@@ -36,6 +37,8 @@ __all__ = [
     "run_study",
     "rebuild_report",
     "cell_seed",
+    "Results",
+    "open_results",
     "apply_overrides",
     "markdown_table",
     "number",

@@ -25,6 +25,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ __all__ = [
     "save_figure",
     "plain_value",
     "environment",
+    "Results",
+    "open_results",
 ]
 
 CELLS = "cells"
@@ -161,3 +164,56 @@ def _git(root: Path, *args: str) -> str | None:
         return None
     return done.stdout.strip()
 
+
+
+@dataclass(frozen=True)
+class Results:
+    """A results folder as read back (`open_results`), for notebooks.
+
+    Attributes:
+        path: the folder.
+        record: config.json (study, preset, overrides, seed, device, backend, config fields).
+        sessions: environment.json's sessions (versions, commit, device, seeds, ranks).
+        metrics: metrics.parquet.
+        tables: every other <table>.parquet by name (e.g. "trace").
+        figures: the figures' PNG files, by name.
+        report: report.md's text.
+    """
+
+    path: Path
+    record: dict
+    sessions: list
+    metrics: pd.DataFrame
+    tables: dict
+    figures: dict
+    report: str
+
+    @property
+    def study(self) -> str:
+        return self.record["study"]
+
+    @property
+    def config(self) -> dict:
+        """The resolved config's fields."""
+        return {k: v for k, v in self.record["config"].items() if k != "kind"}
+
+
+def open_results(folder: str | Path) -> Results:
+    """Read a finished results folder (FileNotFoundError naming what is missing)."""
+    path = Path(folder)
+    for name in ("config.json", "metrics.parquet", "report.md"):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"folder: {path} holds no {name}; not a finished study run")
+    env = path / "environment.json"
+    tables = {
+        p.stem: pd.read_parquet(p) for p in sorted(path.glob("*.parquet")) if p.stem != "metrics"
+    }
+    return Results(
+        path=path,
+        record=read_json(path / "config.json"),
+        sessions=read_json(env)["sessions"] if env.exists() else [],
+        metrics=read_metrics(path),
+        tables=tables,
+        figures={p.stem: p for p in sorted((path / FIGURES).glob("*.png"))},
+        report=(path / "report.md").read_text(),
+    )

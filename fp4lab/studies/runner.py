@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from fp4lab.backends import BACKENDS
 from fp4lab.config import from_fields, to_fields

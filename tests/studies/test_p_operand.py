@@ -24,11 +24,9 @@ TINY = ["batch=1", "heads=2", "seq=256", "block_m=64", "block_n=64", "deltas=6,9
         "two_level_formats=nvfp4_1level"]
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("p-operand") / "smoke"
-    run_study("p-operand", "smoke", out=out, quiet=True)
-    return out
+@pytest.fixture
+def smoke(p_operand_smoke):
+    return p_operand_smoke
 
 
 def test_smoke_writes_every_file_with_finite_numbers(smoke):

@@ -18,11 +18,9 @@ TINY = ["rows=64", "cols=128", "formats=nvfp4,mxfp4,nvfp4_ms_eden,fp8_e4m3_tenso
         "inputs=gaussian,heavy_tailed"]
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quantizer-error") / "smoke"
-    run_study("quantizer-error", "smoke", out=out, quiet=True)
-    return out
+@pytest.fixture
+def smoke(quantizer_error_smoke):
+    return quantizer_error_smoke
 
 
 def test_smoke_writes_every_file_with_finite_numbers(smoke):
