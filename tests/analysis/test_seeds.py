@@ -149,13 +149,58 @@ def test_the_seed_decides_the_draws():
     assert not any(torch.equal(x, y) for x, y in zip(a, c, strict=True))
 
 
-def test_draw_streams_use_all_64_bits_of_their_hash(monkeypatch):
+def test_draw_streams_use_all_64_bits_of_their_key():
     # torch's CPU generator keeps 32 bits of a seed; the streams must not collide there.
     import sys
 
     module = sys.modules["fp4lab.analysis.streams"]
-    draws = module.Draws(torch.Generator().manual_seed(0), 1, 1)
-    monkeypatch.setattr(module, "_mix", lambda *values: values[-1])
-    low, high = draws._uniforms(5, shape=(8,)), draws._uniforms(5 + (1 << 32), shape=(8,))
-    assert not torch.equal(low, high)
-    assert torch.equal(low, draws._uniforms(5, shape=(8,)))
+    position = (torch.tensor(0), torch.tensor(0), torch.tensor(0), torch.arange(8))
+    low = module.uniforms(5, *position)
+    assert not torch.equal(low, module.uniforms(5 + (1 << 32), *position))
+    assert torch.equal(low, module.uniforms(5, *position))
+
+
+def test_a_uniform_is_its_positions_philox_word_times_two_to_minus_32():
+    import sys
+
+    from fp4lab.formats.philox import philox4x32, split_key
+
+    module = sys.modules["fp4lab.analysis.streams"]
+    key = 0x0123456789ABCDEF
+    batch, head, row = torch.tensor(1), torch.tensor(2), torch.arange(3).view(3, 1)
+    got = module.uniforms(key, batch, head, row, torch.arange(12).view(1, 12))
+    k0, k1 = split_key(key)
+    for r in range(3):
+        for c in range(12):
+            counter = (c // 4, r, 2, 1)  # (column // 4, row, head, batch)
+            words = philox4x32(*(torch.tensor([x]) for x in counter), k0, k1)
+            assert got[r, c].item() == words[c % 4].item() * 2.0**-32
+
+
+def test_unaligned_columns_draw_what_the_aligned_ones_draw():
+    import sys
+
+    module = sys.modules["fp4lab.analysis.streams"]
+    position = (torch.tensor(0), torch.tensor(3), torch.arange(5).view(5, 1))
+    whole = module.uniforms(99, *position, torch.arange(16).view(1, 16))
+    for columns in (torch.arange(3, 10), torch.arange(1, 5), torch.tensor([7, 2, 13])):
+        part = module.uniforms(99, *position, columns.view(1, -1))
+        assert torch.equal(part, whole[:, columns])
+
+
+def test_a_whole_operand_draws_what_its_tiles_draw():
+    import sys
+
+    module = sys.modules["fp4lab.analysis.streams"]
+    draws = module.Draws(torch.Generator().manual_seed(3), block_m=4, block_n=8)
+    p = torch.zeros(2, 3, 12, 16)  # (B, heads, query rows, key columns)
+    whole = draws.for_operand("p", p, None)
+    # The same operand cut into tiles (B, Hkv=1, G=3, 3 query tiles, 2 key tiles, 4, 8) from
+    # tile (0, 0); then its last two query tiles and last key tile alone, from tile (1, 1).
+    tiles = p.view(2, 1, 3, 3, 4, 2, 8).permute(0, 1, 2, 3, 5, 4, 6)
+    got = draws.for_operand("p", tiles, (0, 0))
+    untiled = got.permute(0, 1, 2, 3, 5, 4, 6).reshape(2, 3, 12, 16)
+    assert torch.equal(untiled, whole)
+    later = draws.for_operand("p", tiles[:, :, :, 1:, 1:], (1, 1))
+    assert torch.equal(later, got[:, :, :, 1:, 1:])
+    assert not torch.equal(draws.for_operand("dq_ds", p, None), whole)
