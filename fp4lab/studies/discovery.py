@@ -9,7 +9,8 @@ A study module (``studies/<name>.py``, its name the file's with ``_`` read as ``
                                        or {"metrics": rows, "<table>": rows, ...} to store
                                        more tables (<table>.parquet, for notebooks);
                                        ctx is a `CellContext` (device, backend, seeds)
-    report(config, metrics) -> (markdown, {name: matplotlib Figure})
+    report(config, metrics[, tables]) -> (markdown, {name: matplotlib Figure}), from the
+                                       metrics (and the other tables, if it takes them)
     BACKENDS (optional): the backends it can measure with (default: all of fp4lab's)
 
 Modules are imported from their files with importlib (the folder is not a package), once
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import json
 import re
 import sys
@@ -119,9 +121,12 @@ class Study:
                              f"in lower case with a 'metrics' table, got {sorted(tables)}")
         return {name: _rows(rows, where) for name, rows in tables.items()}
 
-    def report(self, config, metrics):
-        """(markdown, {name: Figure}) from the study's `report`."""
-        text, figures = self.module.report(config, metrics)
+    def report(self, config, metrics, tables: dict):
+        """(markdown, {name: Figure}) from the study's `report`; a report with a third
+        parameter ``tables`` also gets the other tables its cells returned, by name."""
+        takes_tables = "tables" in inspect.signature(self.module.report).parameters
+        extra = (tables,) if takes_tables else ()
+        text, figures = self.module.report(config, metrics, *extra)
         return text, dict(figures)
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "read_json",
     "write_cell",
     "read_cells",
+    "read_tables",
     "write_tables",
     "read_metrics",
     "save_figure",
@@ -112,6 +113,14 @@ def write_tables(folder: Path, tables: dict[str, pd.DataFrame]) -> None:
     for name, frame in tables.items():
         atomic_write(folder / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp))
     atomic_write(folder / "metrics.csv", lambda tmp: tables["metrics"].to_csv(tmp, index=False))
+
+
+def read_tables(folder: Path) -> dict[str, pd.DataFrame]:
+    """Every <table>.parquet of the folder by name, metrics first."""
+    tables = {"metrics": read_metrics(folder)}
+    tables.update({p.stem: pd.read_parquet(p) for p in sorted(Path(folder).glob("*.parquet"))
+                   if p.stem != "metrics"})
+    return tables
 
 
 def read_metrics(folder: Path) -> pd.DataFrame:
@@ -205,14 +214,12 @@ def open_results(folder: str | Path) -> Results:
         if not (path / name).is_file():
             raise FileNotFoundError(f"folder: {path} holds no {name}; not a finished study run")
     env = path / "environment.json"
-    tables = {
-        p.stem: pd.read_parquet(p) for p in sorted(path.glob("*.parquet")) if p.stem != "metrics"
-    }
+    tables = read_tables(path)
     return Results(
         path=path,
         record=read_json(path / "config.json"),
         sessions=read_json(env)["sessions"] if env.exists() else [],
-        metrics=read_metrics(path),
+        metrics=tables.pop("metrics"),
         tables=tables,
         figures={p.stem: p for p in sorted((path / FIGURES).glob("*.png"))},
         report=(path / "report.md").read_text(),

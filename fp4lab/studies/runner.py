@@ -44,7 +44,7 @@ from fp4lab.studies.folder import (
     environment,
     read_cells,
     read_json,
-    read_metrics,
+    read_tables,
     save_figure,
     write_cell,
     write_json,
@@ -292,7 +292,7 @@ def _finish(path: Path, study: Study, config, record: dict, cells: list[dict]) -
         for name in names
     }
     write_tables(path, tables)
-    _write_report(path, study, config, record, read_metrics(path))
+    _write_report(path, study, config, record)
 
 
 def rebuild_report(out: str | Path, *, folder: str | Path | None = None) -> Path:
@@ -304,11 +304,13 @@ def rebuild_report(out: str | Path, *, folder: str | Path | None = None) -> Path
     record = read_json(out / "config.json")
     study = load_study(record["study"], folder)
     config = from_fields(study.config_type, record["config"])
-    return _write_report(out, study, config, record, read_metrics(out))
+    return _write_report(out, study, config, record)
 
 
-def _write_report(path: Path, study: Study, config, record: dict, metrics) -> Path:
-    text, figures = study.report(config, metrics)
+def _write_report(path: Path, study: Study, config, record: dict) -> Path:
+    """report.md and figures/ from the stored tables (read back, as rebuild_report reads)."""
+    results = read_tables(path)
+    text, figures = study.report(config, results.pop("metrics"), results)
     for name, figure in figures.items():
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
             raise ValueError(f"study {study.name}: figure name {name!r} is not a file name")

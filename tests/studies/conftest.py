@@ -20,3 +20,8 @@ def quantizer_error_smoke(tmp_path_factory):
 @pytest.fixture(scope="session")
 def p_operand_smoke(tmp_path_factory):
     return _smoke(tmp_path_factory, "p-operand")
+
+
+@pytest.fixture(scope="session")
+def attention_gradients_smoke(tmp_path_factory):
+    return _smoke(tmp_path_factory, "attention-gradients")
