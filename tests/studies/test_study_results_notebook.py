@@ -69,3 +69,10 @@ def test_opens_quantizer_error(notebook, quantizer_error_smoke, tmp_path, monkey
     assert "stores no per-tile trace" in text
     markdown = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
     assert "Anchors (Quartet II)" in markdown
+
+
+def test_opens_attention_gradients(notebook, attention_gradients_smoke, tmp_path, monkeypatch):
+    """A curve from another table than metrics (the averaging curves)."""
+    outputs = execute(notebook, attention_gradients_smoke, tmp_path, monkeypatch)
+    figures = len(list((attention_gradients_smoke / "figures").glob("*.png")))
+    assert images(outputs) == figures + 1
