@@ -1,9 +1,19 @@
 """The studies' smoke runs, once per test session (tests of a study and the notebook share
-them)."""
+them), with one torch thread: on a shared 2-core machine two intra-op threads make the
+simulation several times slower (the numbers do not depend on it)."""
 
 import pytest
+import torch
 
 from fp4lab.studies import run_study
+
+
+@pytest.fixture(scope="package", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _smoke(factory, name: str):

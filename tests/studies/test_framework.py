@@ -238,7 +238,8 @@ def test_a_killed_process_resumes_to_the_same_table(tmp_path):
     """SIGKILL while cells are running (some stored, one in flight), then --resume."""
     whole = run_toy(tmp_path / "whole", "cells=8")
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_command(out, "cells=8", "pause=0.4"), cwd=ROOT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(_command(out, "cells=8", "pause=0.4"), cwd=ROOT, env=env)
     deadline = time.monotonic() + 60
     while len(list((out / "cells").glob("0*.json"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -246,7 +247,8 @@ def test_a_killed_process_resumes_to_the_same_table(tmp_path):
     proc.wait()
     stored = len(list((out / "cells").glob("0*.json")))
     assert 3 <= stored < 8 and not (out / "metrics.parquet").exists()
-    subprocess.run(_command(out, "cells=8", "pause=0.4"), cwd=ROOT, check=True, timeout=120)
+    subprocess.run(_command(out, "cells=8", "pause=0.4"), cwd=ROOT, check=True, timeout=120,
+                   env=env)
     resumed = pd.read_parquet(out / "metrics.parquet")
     pd.testing.assert_frame_equal(resumed.drop(columns="cell"), whole.drop(columns="cell"))
     assert resumed["cell"].tolist() == whole["cell"].tolist()

@@ -38,6 +38,7 @@ def test_uses_only_the_public_api(notebook):
 def execute(notebook, folder: Path, tmp_path: Path, monkeypatch) -> list:
     """Run every cell with FP4LAB_RESULTS set to `folder`; the outputs of the code cells."""
     monkeypatch.setenv("FP4LAB_RESULTS", str(folder))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     notebook = copy.deepcopy(notebook)
     resources = {"metadata": {"path": str(tmp_path)}}
     nbclient.NotebookClient(
