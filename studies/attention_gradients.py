@@ -42,7 +42,7 @@ from matplotlib.figure import Figure
 import fp4lab
 from fp4lab.analysis import plots, synthetic_inputs
 from fp4lab.formats import QuantSpec, get
-from fp4lab.recipes import AttentionRecipe, Product, resolve_recipe
+from fp4lab.recipes import OPERAND_FIELDS, AttentionRecipe, Product, resolve_recipe
 from fp4lab.studies import markdown_table
 
 QUESTION = (
@@ -64,7 +64,7 @@ class AttentionGradientsConfig:
     batch: int = 1  # the synthetic input's batch
     heads: int = 4  # its heads
     seq: int = 1024  # its tokens
-    head_dim: int = 64
+    head_dim: int = 128  # croissattn_eden's Hadamard transform spans 128 along head_dim
     block_m: int = 128  # query tile
     block_n: int = 128  # key tile
     causal: bool = True  # causal mask (the training routes are causal)
@@ -84,16 +84,28 @@ class AttentionGradientsConfig:
         for name in self.one_at_a_time:
             get(name, QuantSpec)
         for name in self.recipes:
-            resolve_recipe(name)
+            _check_hadamard(resolve_recipe(name), self.head_dim, self.seq)
         for name, allowed in (("products", PRODUCTS), ("references", REFERENCES)):
             for value in getattr(self, name):
                 if value not in allowed:
                     raise ValueError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
 
 
+def _check_hadamard(recipe: AttentionRecipe, head_dim: int, seq: int) -> None:
+    """A Hadamard transform along an operand's axis needs that axis a multiple of its size
+    (checked on both head_dim and seq, the axes the operands are blocked along)."""
+    for field in OPERAND_FIELDS:
+        spec = getattr(recipe, field)
+        size = getattr(spec, "hadamard", None)
+        if size and (head_dim % size or seq % size):
+            raise ValueError(f"recipes: {recipe.name}'s {field} takes a Hadamard transform of "
+                             f"{size}: head_dim ({head_dim}) and seq ({seq}) must be multiples")
+
+
 PRESETS = {
     "smoke": AttentionGradientsConfig(
-        heads=2, seq=256, block_m=64, block_n=64, one_at_a_time=("nvfp4_sr",), samples=4,
+        heads=2, seq=256, head_dim=64, block_m=64, block_n=64, one_at_a_time=("nvfp4_sr",),
+        samples=4,
         recipes=("attn_qat_dropin", "attn_qat", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv",
                  "croissattn"),
     ),

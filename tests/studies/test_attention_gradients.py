@@ -49,8 +49,9 @@ def test_rerun_with_the_same_seed_gives_identical_metrics(tmp_path):
 @pytest.mark.parametrize(
     "entry, words",
     [("recipes=croissattn,nope", "unknown name 'nope'"), ("products=qk,xy", "products: 'xy'"),
-     ("samples=1", "samples must be >= 2"), ("references=approx", "references: 'approx'")],
-    ids=["recipe", "product", "samples", "reference"],
+     ("samples=1", "samples must be >= 2"), ("references=approx", "references: 'approx'"),
+     ("recipes=croissattn_eden", "Hadamard transform of 128")],
+    ids=["recipe", "product", "samples", "reference", "hadamard"],
 )
 def test_bad_set_values_fail_before_anything_runs(tmp_path, entry, words):
     with pytest.raises(ValueError, match=words):
