@@ -291,6 +291,86 @@ def _quantize_p(
 # -- the kernel ------------------------------------------------------------------------------------
 # fmt: off
 @triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
+    stride_kn, stride_kd, stride_vn, stride_vd, lo, hi, step,
+    MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
+    ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr,
+    MODE: tl.constexpr, LIFT: tl.constexpr, EQ_LO: tl.constexpr, EQ_HI: tl.constexpr,
+    E_UNIT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
+    S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
+    QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
+    EMAX_E: tl.constexpr,
+):
+    """The key tiles starting at lo, lo + step, ... (before hi) of one query tile. MASKED
+    tiles may hold keys past Sk, query rows past Sq or (causal) keys after a query; the others
+    hold none, and skip the masks."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, V_DIM)
+    for start in range(lo, hi, step):
+        start_n = tl.multiple_of(start, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        if MASKED:
+            inside = offs_n < Sk
+            k = tl.load(k_ptrs, mask=inside[None, :], other=0.0)  # (HEAD_DIM, BLOCK_N)
+        else:
+            k = tl.load(k_ptrs)
+        qk = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if MASKED:
+            keep = inside[None, :] & rows[:, None]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            qk = tl.where(keep, qk, -float("inf"))
+        # -- update m_i --
+        top = tl.maximum(m_i, tl.max(qk, 1))
+        if LAZY:  # keep the old maximum while the tile raises it by at most LAZY_LOG2 bits
+            m_new = tl.where(top - m_i > LAZY_LOG2, top, m_i)
+        else:
+            m_new = top
+        if MASKED:  # a row with no key yet keeps m = -inf
+            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        # -- quantize P --
+        p_hat, factor = _quantize_p(
+            p, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
+            S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+        )
+        # -- update l_i and acc --
+        if ROW_SUM_Q:
+            l_i = l_i * alpha + tl.sum(p_hat, 1) * factor
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
+        if PV_FP8:  # P and V hold E4M3 values: the FP8 tensor cores, V K-major
+            vt_ptrs = v_base + offs_dv[:, None] * stride_vd + offs_n[None, :] * stride_vn
+            if MASKED:
+                vt = tl.load(vt_ptrs, mask=inside[None, :], other=0.0)  # (V_DIM, BLOCK_N)
+            else:
+                vt = tl.load(vt_ptrs)
+            pv = tl.dot(p_hat.to(vt.dtype), tl.trans(vt))
+        else:
+            v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+            if MASKED:
+                v = tl.load(v_ptrs, mask=inside[:, None], other=0.0)  # (BLOCK_N, V_DIM)
+            else:
+                v = tl.load(v_ptrs)
+            if MODE == 0:  # unquantized P: its bf16 head and tail, 16 bits of it
+                head = p_hat.to(v.dtype)
+                tail = (p_hat - head.to(tl.float32)).to(v.dtype)
+                pv = tl.dot(tail, v, tl.dot(head, v))
+            else:
+                pv = tl.dot(p_hat.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv * factor
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Out, LSE, QF, KF, VF, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -306,7 +386,11 @@ def _attn_fwd(
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr,
 ):
-    """One query tile of one (batch, head): O and the log-sum-exp (natural units)."""
+    """One query tile of one (batch, head): O and the log-sum-exp (natural units).
+
+    Its key tiles split in two ranges, in the recipe's order: the first n_free tiles hold only
+    visible keys of full query rows (no masks), the rest (the diagonal band when causal, a
+    partial last key tile, every tile of a partial last query tile) are masked."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -314,7 +398,8 @@ def _attn_fwd(
     # the operands' factors outside their bf16 values (tensor scales, alpha grids' 1/M_e)
     qk_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + b * (H // G) + hk)
     out_factor = tl.load(VF + b * (H // G) + hk)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = start_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     rows = offs_m < Sq
@@ -326,57 +411,43 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
     n_tiles = tl.cdiv(Sk, BLOCK_N)
+    n_free = Sk // BLOCK_N  # whole key tiles
     if CAUSAL:
-        n_tiles = tl.minimum(n_tiles, tl.cdiv(tl.minimum((start_m + 1) * BLOCK_M, Sq), BLOCK_N))
-    if REVERSE:
-        lo, hi, step = (n_tiles - 1) * BLOCK_N, -1, -BLOCK_N
-    else:
-        lo, hi, step = 0, n_tiles * BLOCK_N, BLOCK_N
-    for start in range(lo, hi, step):
-        start_n = tl.multiple_of(start, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        inside = offs_n < Sk
-        k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        k = tl.load(k_ptrs, mask=inside[None, :], other=0.0)  # (HEAD_DIM, BLOCK_N)
-        qk = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        keep = inside[None, :] & rows[:, None]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None])
-        qk = tl.where(keep, qk, -float("inf"))
-        # -- update m_i --
-        top = tl.maximum(m_i, tl.max(qk, 1))
-        if LAZY:  # keep the old maximum while the tile raises it by at most LAZY_LOG2 bits
-            m_new = tl.where(top - m_i > LAZY_LOG2, top, m_i)
-        else:
-            m_new = top
-        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        # -- quantize P --
-        p_hat, factor = _quantize_p(
-            p, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
-            S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+        n_tiles = tl.minimum(n_tiles, tl.cdiv(tl.minimum(m0 + BLOCK_M, Sq), BLOCK_N))
+        n_free = tl.minimum(n_free, (m0 + 1) // BLOCK_N)  # wholly at or before row m0
+    if m0 + BLOCK_M > Sq:  # a partial query tile: every tile masked
+        n_free = 0
+    free_end, last = n_free * BLOCK_N, n_tiles * BLOCK_N
+    if REVERSE:  # last to first: the masked tiles come first
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
+            stride_kn, stride_kd, stride_vn, stride_vd, last - BLOCK_N, free_end - 1, -BLOCK_N,
+            True, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8,
+            MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+            QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
         )
-        # -- update l_i and acc --
-        if ROW_SUM_Q:
-            l_i = l_i * alpha + tl.sum(p_hat, 1) * factor
-        else:
-            l_i = l_i * alpha + tl.sum(p, 1)
-        if PV_FP8:  # P and V hold E4M3 values: the FP8 tensor cores, V K-major
-            vt_ptrs = v_base + offs_dv[:, None] * stride_vd + offs_n[None, :] * stride_vn
-            vt = tl.load(vt_ptrs, mask=inside[None, :], other=0.0)  # (V_DIM, BLOCK_N)
-            pv = tl.dot(p_hat.to(vt.dtype), tl.trans(vt))
-        else:
-            v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-            v = tl.load(v_ptrs, mask=inside[:, None], other=0.0)  # (BLOCK_N, V_DIM)
-            if MODE == 0:  # unquantized P: its bf16 head and tail, 16 bits of it
-                head = p_hat.to(v.dtype)
-                tail = (p_hat - head.to(tl.float32)).to(v.dtype)
-                pv = tl.dot(tail, v, tl.dot(head, v))
-            else:
-                pv = tl.dot(p_hat.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv * factor
-        m_i = m_new
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
+            stride_kn, stride_kd, stride_vn, stride_vd, free_end - BLOCK_N, -1, -BLOCK_N,
+            False, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8,
+            MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+            QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+        )
+    else:
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
+            stride_kn, stride_kd, stride_vn, stride_vd, 0, free_end, BLOCK_N,
+            False, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8,
+            MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+            QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+        )
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
+            stride_kn, stride_kd, stride_vn, stride_vd, free_end, last, BLOCK_N,
+            True, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8,
+            MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+            QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+        )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
     lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
