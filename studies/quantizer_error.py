@@ -525,7 +525,7 @@ def _figures(single: pd.DataFrame, frame: pd.DataFrame) -> dict[str, Figure]:
         ax = fig.subplots()
         sns.barplot(data=own, y="format", x="effective_bits", hue="input", order=order, ax=ax)
         ax.set_xlabel("effective bits, -log2(relative MSE) / 2")
-        ax.set_title("nearest rounding (MS-EDEN its own), each format's own blocks")
+        ax.set_title("nearest rounding (MS-EDEN its own); own blocks", fontsize=10)
         figures["effective_bits"] = fig
     tiles = single[(single["rounding"] == "nearest")]
     if (tiles["format"] != tiles["base"]).any():
