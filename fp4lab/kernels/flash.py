@@ -49,23 +49,24 @@ LOG2E = math.log2(math.e)
 # -- device functions: rounding onto a format's grid, and P's block scales -------------------------
 @triton.jit
 def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: tl.constexpr):
-    """x (fp32) rounded to nearest even on a float format's grid, saturating at +-MAXV: the
-    reference's float32 path (`fp4lab.formats.rounding._round_float32`). The quantum is x's
-    binade 2^e (from its exponent bits) clamped to [Q_LO, Q_HI] = [2^emin, 2^(emax+1)] times
-    UNIT = 2^-mbits; x / quantum and back are exact (powers of two)."""
+    """x (fp32, >= 0: P, its scaled blocks and their scales) rounded to nearest even on a
+    float format's grid, saturating at MAXV: the reference's float32 path
+    (`fp4lab.formats.rounding._round_float32`). The quantum is x's binade 2^e (from its
+    exponent bits) clamped to [Q_LO, Q_HI] = [2^emin, 2^(emax+1)] times UNIT = 2^-mbits; x /
+    quantum and back are exact (powers of two). x / quantum < 2^(mbits + 1) unless x lies
+    above the format's top binade, where any result of at least 2^22 quanta saturates: so
+    _rint's magic number needs no range check."""
     binade = (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     quantum = tl.minimum(tl.maximum(binade, Q_LO), Q_HI) * UNIT
     inverse = (0x7F000000 - quantum.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-    y = _rint(x * inverse) * quantum
-    return tl.minimum(tl.maximum(y, -MAXV), MAXV)
+    return tl.minimum(_rint(x * inverse) * quantum, MAXV)
 
 
 @triton.jit
 def _rint(y):
-    """y rounded to the nearest integer, ties to even: adding and subtracting 1.5 * 2^23 makes
-    the fp32 adder round (|y| < 2^22); larger y are integers already."""
-    rounded = (y + 12582912.0) - 12582912.0
-    return tl.where(tl.abs(y) < 4194304.0, rounded, y)
+    """y (0 <= y < 2^22) rounded to the nearest integer, ties to even: adding and subtracting
+    1.5 * 2^23 makes the fp32 adder round."""
+    return (y + 12582912.0) - 12582912.0
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ class PQuantizer:
     MODE: 0 none, 1 an element cast (a `FloatFormat`), 2 block scales along the keys.
     ELEM: (Q_LO, Q_HI, UNIT, MAXV) of the element format; SCALE: the same of the scale
     format; BLOCK: keys per block; RULE: 0 amax / M_e rounded (NEAREST), 1 OCP's floor power
-    of two, 2-5 the alpha rules CEIL, MSE, HALF, RTE; ARITH: 0 EXACT, 1 TE_ENCODE, 2
-    RECIPROCAL, 3 DIVIDE_UNROUNDED; TENSOR: a per-tile tensor scale (TE_ENCODE's).
+    of two, 2-5 the alpha rules CEIL, MSE, HALF, RTE, 6 RCEIL (E8M0), 7 CEIL; ARITH: 0 EXACT,
+    1 TE_ENCODE, 2 RECIPROCAL, 3 DIVIDE_UNROUNDED; TENSOR: a per-tile tensor scale (TE_ENCODE's).
     """
 
     MODE: int
@@ -93,6 +94,7 @@ class PQuantizer:
     @classmethod
     def of(cls, spec, lift: float) -> PQuantizer:
         """The quantizer of a recipe's `p` (None, a FloatFormat or a 1-D QuantSpec)."""
+        check_p(spec, lift)
         if spec is None:
             return cls(MODE=0, LIFT=lift)
         if isinstance(spec, FloatFormat):
@@ -112,7 +114,7 @@ def _grid(fmt: FloatFormat) -> tuple:
 
 _RULES = {
     ScaleRule.NEAREST: 0, ScaleRule.OCP_FLOOR: 1, ScaleRule.ALPHA_CEIL: 2, ScaleRule.ALPHA_MSE: 3,
-    ScaleRule.ALPHA_HALF: 4, ScaleRule.ALPHA_RTE: 5,
+    ScaleRule.ALPHA_HALF: 4, ScaleRule.ALPHA_RTE: 5, ScaleRule.RCEIL: 6, ScaleRule.CEIL: 7,
 }  # fmt: skip
 _ARITHMETICS = {
     ScaleArithmetic.EXACT: 0, ScaleArithmetic.TE_ENCODE: 1, ScaleArithmetic.RECIPROCAL: 2,
@@ -122,13 +124,27 @@ _ARITHMETICS = {
 
 def check_p(spec, lift: float) -> None:
     """Raise for a P format the kernel does not quantize (yet): no silent fallback."""
-    if spec is None or isinstance(spec, FloatFormat):
+    if spec is None:
+        return
+    if isinstance(spec, FloatFormat):
+        if spec.emin - spec.mbits < -126:
+            raise NotImplementedError(
+                f"p: the Triton kernel rounds onto grids in fp32's normal range; format "
+                f"{spec.name!r} has quanta down to 2^{spec.emin - spec.mbits}; "
+                "use backend='reference'"
+            )
         return
     problems = []
+    if spec.element.emin - spec.element.mbits < -126:
+        problems.append(f"element format {spec.element.name} below fp32's normal range")
     if spec.block is None or len(spec.block) != 1 or spec.block[0] not in (16, 32):
         problems.append(f"blocks {spec.block} (the kernel takes 1-D blocks of 16 or 32 keys)")
     if spec.scale_rule not in _RULES:
         problems.append(f"scale rule {spec.scale_rule.value}")
+    if spec.scale_rule is ScaleRule.RCEIL and spec.scale.mbits != 0:
+        problems.append("rceil onto a scale format with mantissa bits (the kernel's is E8M0's)")
+    if spec.scale_rule is ScaleRule.NEAREST and spec.scale.emin < -126:
+        problems.append(f"nearest onto scale format {spec.scale.name} below fp32's normal range")
     if spec.arithmetic not in _ARITHMETICS:
         problems.append(f"arithmetic {spec.arithmetic.value}")
     if spec.tensor_scale and spec.arithmetic is not ScaleArithmetic.TE_ENCODE:
@@ -150,9 +166,44 @@ def _div(a, b):
 
 
 @triton.jit
+def _div_by_short(x, s):
+    """x / s correctly rounded, for fp32 x and normal fp32 s of at most 4 significant bits (an
+    E4M3 or UE5M3 scale), by one reciprocal per block and two fmas per element: q = x RN(1/s),
+    r = fma(-q, s, x) (exact), x / s = fma(r, RN(1/s), q) (Markstein's correction). Equal to
+    the IEEE quotient for every fp32 significand of x against every 4-bit significand of s
+    (tests/kernels/test_flash.py checks all of them on a GPU, a sample under the interpreter);
+    not so for longer s, where q can be off by more than the one ulp the correction needs."""
+    y = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    q = x * y
+    return tl.fma(tl.fma(-q, s, x), y, q)
+
+
+@triton.jit
 def _floor_log2(a):
     """floor(log2 a) of a normal positive fp32 a, from its exponent bits (an int32)."""
     return ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _log2_parts(a):
+    """(floor(log2 a), a / 2^floor(log2 a) in [1, 2)) of a positive finite fp32 a, subnormals
+    included (scaled by 2^64 first, exactly); a = 0 gives (-191, 1), for the caller to
+    replace."""
+    tiny = a < 1.0842021724855044e-19  # 2^-63: a * 2^64 stays finite and becomes normal
+    b = tl.where(tiny, a * 1.8446744073709552e19, a)
+    bits = b.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 - tl.where(tiny, 64, 0)
+    r = ((bits & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    return e, r
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as fp32 for an int32 e in [-149, 127], built from its bits (exact, subnormals
+    included; no exp2 approximation)."""
+    normal = ((tl.maximum(e, -126) + 127) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << (tl.minimum(tl.maximum(e, -149), -127) + 149)).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, sub)
 
 
 @triton.jit
@@ -199,14 +250,23 @@ def _block_scales(
                 factor = tl.where(store == 0.0, 0.0, factor)
         elif ARITH == 3:  # DIVIDE_UNROUNDED: x / t
             divisor = t
-    elif RULE == 1:  # OCP's floor: 2^(floor(log2 a) - emax_e); x / 2^e is exact
-        e = tl.where(amax > 0.0, _floor_log2(amax) - EMAX_E, E_LO)
-        e = tl.minimum(tl.maximum(e, E_LO), E_HI)
-        store = tl.exp2(e.to(tl.float32))
-        factor = tl.exp2(-e.to(tl.float32))
+    elif RULE == 1 or RULE == 6 or RULE == 7:  # powers of two from a' (or fl(a' / M_e))
+        a = amax
+        if RULE == 6:  # RCEIL: fl(a' / M_e) rounded up onto E8M0
+            a = tl.div_rn(amax, tl.zeros_like(amax) + M_E)
+        e, r = _log2_parts(a)
+        if RULE == 1:  # OCP's floor: 2^(floor(log2 a') - emax_e)
+            e = e - EMAX_E
+        elif RULE == 6:
+            e = e + (r != 1.0).to(tl.int32)
+        else:  # CEIL: 2^(ceil(log2 a') - emax_e)
+            e = e + (r != 1.0).to(tl.int32) - EMAX_E
+        e = tl.minimum(tl.maximum(tl.where(a > 0.0, e, E_LO), E_LO), E_HI)
+        store = _pow2(e)
+        factor = _pow2(-e)  # x / 2^e, exact as a product
     else:  # the alpha grid: s = 2^E / M_e, elements (x M_e) 2^-E
         e = _floor_log2(amax)
-        r = amax * tl.exp2(-e.to(tl.float32))
+        r = amax * _pow2(-e)
         if RULE == 2:
             up = r > 1.0
         elif RULE == 3:
@@ -217,8 +277,8 @@ def _block_scales(
             up = (r > 1.5) | ((r == 1.5) & (((e + 127) % 2) == 1))
         e = tl.minimum(tl.maximum(e + up.to(tl.int32), E_LO), E_HI)
         flush = amax < 1.1754943508222875e-38
-        store = tl.where(flush, 0.0, tl.exp2(e.to(tl.float32)))
-        factor = tl.where(flush, 0.0, M_E * tl.exp2(-e.to(tl.float32)))
+        store = tl.where(flush, 0.0, _pow2(e))
+        factor = tl.where(flush, 0.0, M_E * _pow2(-e))
     return store, factor, divisor, decode
 
 
@@ -274,8 +334,12 @@ def _quantize_p(
     )
     if ARITH == 0 or ARITH == 3:
         if RULE == 0:
-            den = divisor[:, :, None]
-            scaled = tl.where(den == 0.0, 0.0, tl.div_rn(blocks, tl.where(den == 0.0, 1.0, den)))
+            den = tl.where(divisor == 0.0, 1.0, divisor)[:, :, None]
+            if ARITH == 0 and S_UNIT >= 0.125 and SQ_LO * S_UNIT >= 1.1754943508222875e-38:
+                scaled = _div_by_short(blocks, den)
+            else:
+                scaled = tl.div_rn(blocks, den)
+            scaled = tl.where(divisor[:, :, None] == 0.0, 0.0, scaled)
         else:
             scaled = blocks * factor[:, :, None]
     else:
@@ -283,7 +347,7 @@ def _quantize_p(
     codes = _round(scaled, EQ_LO, EQ_HI, E_UNIT, E_MAX)
     values = tl.reshape(codes * store[:, :, None], (BLOCK_M, BLOCK_N))
     tile_factor = decode / LIFT
-    if RULE >= 2:
+    if RULE >= 2 and RULE <= 5:  # an alpha grid
         tile_factor = tile_factor / E_MAX
     return values, tile_factor
 

@@ -14,6 +14,7 @@ Hopper accumulates part of each product in reduced precision (as FlashAttention-
 path does), which the simulation does not model: measured 5e-4 on the H200, budget 2e-3.
 """
 
+import math
 import zlib
 
 import pytest
@@ -24,6 +25,10 @@ from fp4lab.analysis import attention as reference_attention
 from fp4lab.recipes import resolve_recipe
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fp4lab.kernels import flash  # noqa: E402
 from fp4lab.kernels.backend import _fp8_pv  # noqa: E402
 
 # the interpreter evaluates masked-out lanes too (inf - inf there); the kernel discards them
@@ -111,3 +116,99 @@ def test_backward_trace_mask_and_dtype_are_refused_not_replaced():
     out = fp4lab.attention(q, k, v, "nvfp4", backend="triton", block_m=32, block_n=32)
     with pytest.raises(NotImplementedError, match="Triton backward"):
         out.sum().backward()
+
+
+@triton.jit
+def _divide_kernel(X, S, Out, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < N
+    x = tl.load(X + offs, mask=inside, other=1.0)
+    s = tl.load(S + offs, mask=inside, other=1.0)
+    tl.store(Out + offs, flash._div_by_short(x, s), mask=inside)
+
+
+def test_division_by_a_short_scale_is_the_ieee_quotient():
+    # every 4-bit significand of s against every fp32 significand of x on a GPU (2^26 pairs);
+    # under the interpreter a sample, dense around the E2M1 grid's ties (x / s = 0.25, 0.75,
+    # ..., 5 give or take a few ulps), where a quotient one ulp off would round P the other way
+    g = torch.Generator().manual_seed(11)
+    significands = 1.0 + torch.arange(8, dtype=torch.float32) / 8
+    if DEVICE == "cuda":
+        mantissa = torch.arange(1 << 23, dtype=torch.int32)
+        x = ((127 << 23) | mantissa).view(torch.float32)
+    else:
+        ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+        near = (ties[:, None] * significands).flatten().view(torch.int32)
+        near = (near[:, None] + torch.arange(-3, 4, dtype=torch.int32)).flatten()
+        near = near.view(torch.float32)
+        x = torch.cat([near, torch.rand(1 << 14, generator=g) * 8])
+    x, s = (t.flatten() for t in torch.broadcast_tensors(x[:, None], significands[None, :]))
+    x, s = x.contiguous().to(DEVICE), (s * 2.0**-7).contiguous().to(DEVICE)  # an E4M3 binade
+    out = torch.empty_like(x)
+    _divide_kernel[(triton.cdiv(x.numel(), 1024),)](x, s, out, x.numel(), BLOCK=1024)
+    want = (x.double() / s.double()).float()  # the exact quotient, rounded once
+    bad = (out.view(torch.int32) != want.view(torch.int32)).nonzero()
+    assert bad.numel() == 0, f"x={x[bad[0]].item()!r} s={s[bad[0]].item()!r}: {out[bad[0]]}"
+
+
+@triton.jit
+def _quantize_p_kernel(
+    P, Values, Factor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr, LIFT: tl.constexpr, EQ_LO: tl.constexpr, EQ_HI: tl.constexpr,
+    E_UNIT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
+    S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
+    QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
+    EMAX_E: tl.constexpr,
+):  # fmt: skip
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    values, factor = flash._quantize_p(
+        tl.load(P + offs), BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
+        SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+    )  # fmt: skip
+    tl.store(Values + offs, values)
+    tl.store(Factor + tl.arange(0, 1), tl.full([1], factor, tl.float32))
+
+
+@pytest.mark.parametrize(
+    "p_format",
+    ["fp8_e4m3fn", "fp8_e5m2", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_rceil", "mxfp4_ceil",
+     "mxfp4_alpha_ceil", "mxfp4_alpha_mse", "mxfp4_alpha_half", "nvfp4_ue5m3",
+     "nvfp4_reciprocal", "nvfp4_divide_unrounded", "mxfp8_e4m3", "mxfp8_e5m2"],
+)  # fmt: skip
+def test_p_tile_quantized_in_registers_is_the_reference_bit_for_bit(p_format):
+    # P of a softmax tile: one 1 per row (its maximum), the rest exp2 of negative scores down
+    # to 2^-40, a few exact zeros and ties of the element grid times a power of two
+    g = torch.Generator().manual_seed(zlib.crc32(p_format.encode()))
+    depth = torch.tensor([1.0, 8.0, 40.0]).repeat(22)[:64]
+    p = torch.exp2(-torch.rand(32, 64, generator=g) * depth)
+    p[:, ::17] = 1.0
+    p[3, :] = 0.0
+    p[4, :32] = 2.0**-130  # a block of subnormals
+    p[4, 32:] = 2.0**-100
+    # a block of amax 1 (E4M3 scale 1/6 rounded: 0.171875) holding E2M1's ties times that
+    # scale, and their fp32 neighbours: a quotient off by one ulp would round them otherwise
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]) * 0.171875
+    p[5, :16] = torch.cat([torch.ones(1), ties, ties.nextafter(torch.tensor(0.0)), torch.ones(1)])
+    p[6, :16] = torch.cat([torch.ones(1), ties, ties.nextafter(torch.tensor(1.0)), torch.ones(1)])
+    spec = fp4lab.formats.get(p_format)
+    pq = flash.PQuantizer.of(spec, 1.0)
+    values = torch.empty_like(p).to(DEVICE)
+    factor = torch.empty(1, device=DEVICE)
+    _quantize_p_kernel[(1,)](
+        p.to(DEVICE), values, factor, BLOCK_M=32, BLOCK_N=64, MODE=pq.MODE, LIFT=pq.LIFT,
+        EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2], E_MAX=pq.ELEM[3],
+        SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2], S_MAX=pq.SCALE[3],
+        E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK, RULE=pq.RULE,
+        ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
+    )  # fmt: skip
+    if isinstance(spec, fp4lab.formats.FloatFormat):
+        want = fp4lab.formats.round_to_format(p, spec)
+    else:
+        want = fp4lab.formats.fake_quantize(p, spec, axis=-1)  # the tile as a whole tensor
+    got = (values.cpu() * factor.cpu()).float()
+    # values * factor rounds once where the factor is not a power of two (a tensor scale's
+    # decode, an alpha grid's 1/M_e): there the reference's own product order decides the ulp
+    exact = factor.item() == 2.0 ** round(math.log2(factor.item()))
+    ulps = (got.view(torch.int32) - want.view(torch.int32)).abs().max().item()
+    assert ulps <= (0 if exact else 1), f"{p_format}: {ulps} ulps (factor {factor.item()})"
+    assert torch.equal(got == 0, want == 0)
