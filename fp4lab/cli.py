@@ -706,7 +706,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipes(sub)
     _add_error(sub)
     _add_attention(sub)
-    # The study commands (fp4lab study list|run|report): fp4lab.studies.cli.add_study_commands(sub)
+    from fp4lab.studies.cli import add_study_commands  # here: `fp4lab formats` loads no study
+
+    add_study_commands(sub)
     return parser
 
 
@@ -831,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import_all(getattr(args, "imports", []))
         return args.run(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as err:
         print(f"fp4lab {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

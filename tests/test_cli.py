@@ -572,3 +572,14 @@ def test_the_readme_shell_tour_runs(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "identical" in done.stdout
+
+
+def test_study_commands_are_fp4labs_own(capsys, tmp_path):
+    parser = build_parser()
+    options = {o for p, a in _actions(parser) if p == "fp4lab study run" for o in a.option_strings}
+    assert {"--import", "--preset", "--set", "--resume", "--backend"} <= options
+    assert main(["study", "list"]) == 0
+    assert "quantizer-error:" in capsys.readouterr().out
+    assert main(["study", "run", "no-such-study", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown study 'no-such-study'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

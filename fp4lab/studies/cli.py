@@ -22,7 +22,7 @@ def add_study_commands(subparsers) -> argparse.ArgumentParser:
     object; returns the ``study`` parser."""
     study = subparsers.add_parser(
         "study",
-        help="reproducible studies of quantized attention (list, run, report)",
+        help="List, run and report the reproducible studies of quantized attention.",
         description="Each study answers one question and writes a results folder: config, "
         "environment, metrics (Parquet, CSV), figures and report.md.",
     )
@@ -62,7 +62,8 @@ def add_study_commands(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--backend", choices=BACKENDS, default="reference",
         help="attention backend passed to fp4lab.attention, never replaced by another "
-        "(default reference; triton is not built yet and raises)",
+        "(default reference; triton runs the fused kernels on CUDA and refuses, by name, what "
+        "they do not cover)",
     )
     p.add_argument(
         "--seed", type=int, default=0,
