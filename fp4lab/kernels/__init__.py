@@ -1,11 +1,18 @@
-"""Triton kernels for the GPU (being built; see DESIGN.md).
+"""Triton kernels for the GPU (see DESIGN.md).
 
-This package holds the GPU path: fused quantize / fake-quantize kernels for every block
-format and a FlashAttention forward and backward with in-kernel quantization driven by an
-`fp4lab.recipes.AttentionRecipe`, writing the same per-tile statistics as the simulation
-path (`fp4lab.recipes.Trace`) behind a compile-time flag. What exists today: `random`, the
-counter-based Philox4x32 generator in Triton, bit-identical to `fp4lab.formats.philox`.
-Until the attention kernels exist `fp4lab.attention(..., backend="triton")` raises; nothing
-falls back silently to the reference. The modules here import `triton`, which is not a
-dependency of the CPU install; nothing here is imported eagerly.
+What exists:
+
+- `quantize`: fused `fake_quantize`, `quantize` and `quantize_packed` for every block format
+  the registry can hold, bit for bit `fp4lab.formats`' reference (deterministic modes, and
+  stochastic rounding from the shared Philox stream);
+- `random`: Philox4x32-10 in Triton, bit-identical to `fp4lab.formats.philox`;
+- `flash`: FlashAttention's forward with P quantized in registers along the keys, driven by
+  an `fp4lab.recipes.AttentionRecipe`;
+- `backend`: `fp4lab.attention(..., backend="triton")`, which quantizes Q, K, V with
+  `quantize` and runs `flash`.
+
+Not yet: the backward, the per-tile trace, and the recipe mechanisms `fp4lab.kernels.flash`
+lists; asking for them raises `NotImplementedError` naming them, never a silent fallback to
+the reference. The modules here import `triton`, which is not a dependency of the CPU
+install; nothing here is imported eagerly.
 """

@@ -1,8 +1,9 @@
 """`fp4lab.attention(..., backend="triton")`: a recipe's attention on the fused kernels.
 
 The operands Q, K, V are quantized as whole tensors exactly as the simulation path quantizes
-them (`fp4lab.formats.quantize`, along each operand's block axis, with the recipe's tensor
-scope), and handed to the kernel as bf16 values that are exact (codes times block scales)
+them, along each operand's block axis with the recipe's tensor scope, by the fused Triton
+quantizer (`fp4lab.kernels.quantize.quantize`, bit for bit `fp4lab.formats.quantize`), and
+handed to the kernel as bf16 values that are exact (codes times block scales)
 plus fp32 factors per (batch, head) for what bf16 cannot hold (tensor scales, the 1/M_e of an
 alpha grid). P is quantized inside the kernel (`fp4lab.kernels.flash`).
 
@@ -18,7 +19,7 @@ import os
 
 import torch
 
-from fp4lab.formats import FP8_E4M3FN, FP32, FloatFormat, QuantSpec, quantize, round_to_format
+from fp4lab.formats import FP8_E4M3FN, FP32, FloatFormat, QuantSpec, round_to_format
 from fp4lab.recipes import (
     AttentionRecipe,
     KVOrder,
@@ -113,6 +114,8 @@ def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int):
         return round_to_format(x.float(), spec).to(_store_dtype(x)).contiguous(), ones
     per_head = recipe.tensor_scope is TensorScope.HEAD
     view = x.reshape(b, h // groups, groups, *x.shape[2:]) if per_head else x
+    from fp4lab.kernels.quantize import quantize
+
     qt = quantize(view, spec, axis=recipe.block_axis(field), batch_dims=2 if per_head else 0)
     codes, scales = qt.element_values(), qt.expanded_scales()
     factor = ones
