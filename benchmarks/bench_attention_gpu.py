@@ -2,10 +2,13 @@
 
 For each recipe and mask: check the kernel against the simulation path on a slice (B1 H2
 S1024, the same tiles), then time the kernel alone on already quantized operands (Q, K, V as
-the kernel reads them; their quantization is timed apart) beside
+the kernel reads them; the `fp4lab.attention` row below adds their quantization) beside
 `F.scaled_dot_product_attention` (its default backend, bf16) in the same run, with
 `triton.testing.do_bench` (median), at B4 H16 S4096 D128, over a few tile and warp
 configurations. Forward FLOPs count 4 B H S^2 D (half of it causal).
+
+Each recipe also has a row `fp4lab.attention`: the whole call as a user makes it (Q, K, V
+quantized by the fused Triton quantizer, then the kernel at the backend's default tiles).
 
 Also (`--reference`): the simulation path itself on CUDA, the `exact` recipe's forward at
 B1 H16 S4096 D128 bf16 beside SDPA (issue 9: within 20x).
@@ -24,31 +27,25 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+import fp4lab
 from fp4lab.analysis import attention as reference_attention
 from fp4lab.kernels import backend
 from fp4lab.kernels.flash import PQuantizer, attention_forward
-from fp4lab.recipes import KVOrder, RowReference, RowSum, resolve_recipe
+from fp4lab.recipes import resolve_recipe
 
 SHAPE = dict(B=4, H=16, S=4096, D=128)
-CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 8, 3)]
+CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 3)]
 
 
 def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages):
-    """A closure running the kernel on operands quantized once, and that quantization's time."""
-    g = q.shape[1] // k.shape[1]
-    operands = [
-        backend._operand(x, recipe, f, n) for x, f, n in ((q, "q", g), (k, "k", 1), (v, "v", 1))
-    ]
-    (qs, qf), (ks, kf), (vs, vf) = operands
+    """A closure running the kernel on operands prepared once, as the backend prepares them."""
+    qs, ks, vs, factors = backend.prepare(q, k, v, recipe)
     pq = PQuantizer.of(recipe.p, recipe.p_lift)
-    lazy = recipe.lazy_rescale_log2 if recipe.row_reference is RowReference.LAZY_MAX else None
     options = dict(
         causal=causal, scale=1 / math.sqrt(q.shape[-1]), block_m=block_m, block_n=block_n,
-        reverse=recipe.kv_order is KVOrder.REVERSE, lazy_log2=lazy,
-        row_sum_quantized=recipe.row_sum is RowSum.QUANTIZED_P, num_warps=warps,
-        num_stages=stages,
+        num_warps=warps, num_stages=stages, **backend.forward_options(recipe),
     )  # fmt: skip
-    return lambda: attention_forward(qs, ks, vs, (qf, kf, vf), pq, **options)[0]
+    return lambda: attention_forward(qs, ks, vs, factors, pq, **options)[0]
 
 
 def check(recipe, causal, block_m, block_n) -> float:
@@ -65,7 +62,10 @@ def check(recipe, causal, block_m, block_n) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--recipes", nargs="+", default=["exact", "nvfp4", "attn_qat", "mxfp4", "fa4fp4_causal"]
+        "--recipes",
+        nargs="+",
+        default=["exact", "nvfp4", "attn_qat", "mxfp4", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv",
+                 "fa3_fp8"],  # fmt: skip
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--reference", action="store_true", help="time the simulation on CUDA too")
@@ -129,6 +129,22 @@ def main() -> None:
                         "check": diff,
                     }
                 )
+            # the whole call as a user makes it: Q, K, V quantized by the Triton quantizer, then
+            # the kernel at the backend's default tiles
+            ms = triton.testing.do_bench(
+                lambda r=recipe, c=causal: fp4lab.attention(q, k, v, r, causal=c, backend="triton")
+            )
+            rows.append(
+                {
+                    "recipe": name,
+                    "causal": causal,
+                    "tiles": "fp4lab.attention",
+                    "ms": ms,
+                    "tflops": flops / ms / 1e9,
+                    "x_sdpa": sdpa_ms / ms,
+                    "check": float("nan"),
+                }
+            )
     with open(os.path.join(args.out, "bench_attention_gpu.json"), "w") as f:
         json.dump(
             {"shape": SHAPE, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1

@@ -48,13 +48,13 @@ def _store_dtype(x: torch.Tensor) -> torch.dtype:
 
 def check_recipe(recipe: AttentionRecipe) -> None:
     """Raise NotImplementedError for a recipe mechanism the kernels do not run yet."""
-    from fp4lab.kernels.flash import check_p
+    from fp4lab.kernels.flash import check_direct_p, check_p
 
     missing = []
-    if recipe.p_quant is not PQuant.SPEC:
+    if recipe.p_quant is PQuant.ROW_SCALED:
         missing.append(f"p_quant={recipe.p_quant.value}")
-    if recipe.row_reference not in (RowReference.RUNNING_MAX, RowReference.LAZY_MAX):
-        missing.append(f"row_reference={recipe.row_reference.value}")
+    if recipe.p_quant is PQuant.DIRECT and recipe.direct_p_affine is not None:
+        missing.append("Direct-P's affine code map (direct_p_affine)")
     if recipe.tensor_scope is TensorScope.TILE:
         missing.append("tensor_scope=tile")
     for name in ("leakage_fix", "smooth_q", "incoherent_processing"):
@@ -73,7 +73,10 @@ def check_recipe(recipe: AttentionRecipe) -> None:
             f"recipe {recipe.name!r}: the Triton kernels do not run {', '.join(missing)} yet; "
             "use backend='reference' (no silent fallback)"
         )
-    check_p(recipe.p, recipe.p_lift)
+    if recipe.p_quant is PQuant.DIRECT:
+        check_direct_p(recipe.p)
+    else:
+        check_p(recipe.p, recipe.p_lift)
 
 
 def _check_call(q, k, v, trace, attn_mask) -> None:
@@ -156,38 +159,62 @@ def _per_head(scale: torch.Tensor, b: int, h: int, groups: int) -> torch.Tensor:
     return scale.reshape(b, h // groups).float().repeat_interleave(groups, dim=1)
 
 
+def prepare(q, k, v, recipe: AttentionRecipe):
+    """(q, k, v, factors) as the kernel reads them: K smoothed as the recipe says, each
+    operand quantized (`_operand`), V key-major E4M3 where P V runs on the FP8 tensor cores."""
+    g = q.shape[1] // k.shape[1]
+    if recipe.smooth_k is SmoothK.PER_HEAD:
+        k = k - k.mean(dim=-2, keepdim=True)
+    elif recipe.smooth_k is SmoothK.GLOBAL:
+        k = k - k.mean(dim=(0, 1, 2), keepdim=True)
+    (qs, qf), (ks, kf), (vs, vf) = (
+        _operand(q, recipe, "q", g),
+        _operand(k, recipe, "k", 1),
+        _operand(v, recipe, "v", 1),
+    )
+    if _fp8_pv(recipe):
+        vs = _key_major_fp8(vs)
+    return qs, ks, vs, (qf, kf, vf)
+
+
+def p_quantizer(recipe: AttentionRecipe):
+    """The kernel's `PQuantizer` of the recipe's P: its `p` format or Direct-P."""
+    from fp4lab.kernels.flash import PQuantizer
+
+    if recipe.p_quant is PQuant.DIRECT:
+        return PQuantizer.direct(recipe.p, recipe.p_min_exponent)
+    return PQuantizer.of(recipe.p, recipe.p_lift)
+
+
+_REFERENCES = {
+    RowReference.RUNNING_MAX: "running", RowReference.LAZY_MAX: "running",
+    RowReference.ANCHOR: "anchor", RowReference.ZERO: "zero",
+}  # fmt: skip
+
+
+def forward_options(recipe: AttentionRecipe) -> dict:
+    """The recipe's mechanisms as `attention_forward`'s keyword arguments."""
+    lazy = recipe.lazy_rescale_log2 if recipe.row_reference is RowReference.LAZY_MAX else None
+    return dict(
+        reverse=recipe.kv_order is KVOrder.REVERSE,
+        lazy_log2=lazy,
+        row_sum_quantized=recipe.row_sum is RowSum.QUANTIZED_P,
+        reference=_REFERENCES[recipe.row_reference],
+        anchor_keys=recipe.anchor_keys or 0,
+        anchor_margin=recipe.anchor_margin or 0.0,
+    )
+
+
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, recipe, causal, scale, block_m, block_n):
-        from fp4lab.kernels.flash import PQuantizer, attention_forward
+        from fp4lab.kernels.flash import attention_forward
 
-        g = q.shape[1] // k.shape[1]
-        if recipe.smooth_k is SmoothK.PER_HEAD:
-            k = k - k.mean(dim=-2, keepdim=True)
-        elif recipe.smooth_k is SmoothK.GLOBAL:
-            k = k - k.mean(dim=(0, 1, 2), keepdim=True)
-        (qs, qf), (ks, kf), (vs, vf) = (
-            _operand(q, recipe, "q", g),
-            _operand(k, recipe, "k", 1),
-            _operand(v, recipe, "v", 1),
-        )
-        if _fp8_pv(recipe):
-            vs = _key_major_fp8(vs)
-        lazy = recipe.lazy_rescale_log2 if recipe.row_reference is RowReference.LAZY_MAX else None
+        qs, ks, vs, factors = prepare(q, k, v, recipe)
         o, _ = attention_forward(
-            qs,
-            ks,
-            vs,
-            (qf, kf, vf),
-            PQuantizer.of(recipe.p, recipe.p_lift),
-            causal=causal,
-            scale=scale,
-            block_m=block_m,
-            block_n=block_n,
-            reverse=recipe.kv_order is KVOrder.REVERSE,
-            lazy_log2=lazy,
-            row_sum_quantized=recipe.row_sum is RowSum.QUANTIZED_P,
-        )
+            qs, ks, vs, factors, p_quantizer(recipe), causal=causal,
+            scale=scale, block_m=block_m, block_n=block_n, **forward_options(recipe),
+        )  # fmt: skip
         return o.to(q.dtype)
 
     @staticmethod

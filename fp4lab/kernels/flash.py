@@ -25,9 +25,16 @@ such operands is exact up to the accumulation order. Factors that would break ex
 per-tile FP32 tensor scale, the lift, the 1/M_e of an alpha-grid scale) are kept out of the
 bf16 operand and applied to the tile's fp32 product instead.
 
+Direct-P (`PQuantizer.direct`, fp4-fa4's MXFP4 P/V route) computes P's E2M1 codes from
+z = log2 P itself, per block of keys, as `fp4lab.analysis.p_quant` does; with a fixed row
+reference (fp4-fa4's anchor, read once from key tile 0 before the loop, or zero) nothing is
+rescaled. Known edge: where a block's largest z is an integer (the anchor's own row at head
+dim 64, whose margin is exactly 8 in log2 units), ALPHA_CEIL's e_B hangs on the last bit of
+an fp32 subtraction that the two paths order differently.
+
 What is not here yet (asking for it raises, never falls back): the backward, the trace,
-Direct-P and two-level P, stochastic rounding of P, the leakage fix, attn_mask, and
-row references other than the running and the lazy maximum.
+two-level P, Direct-P's affine code map, stochastic rounding of P, the leakage fix and
+attn_mask.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.formats import FloatFormat, ScaleArithmetic, ScaleRule
+from fp4lab.formats import FloatFormat, QuantSpec, ScaleArithmetic, ScaleRule
 
 __all__ = ["attention_forward", "PQuantizer"]
 
@@ -73,7 +80,8 @@ def _rint(y):
 class PQuantizer:
     """P's format as the kernel's compile-time constants (from a recipe's `p` and lift).
 
-    MODE: 0 none, 1 an element cast (a `FloatFormat`), 2 block scales along the keys.
+    MODE: 0 none, 1 an element cast (a `FloatFormat`), 2 block scales along the keys, 3
+    Direct-P (E2M1 codes from the scores, `direct`).
     ELEM: (Q_LO, Q_HI, UNIT, MAXV) of the element format; SCALE: the same of the scale
     format; BLOCK: keys per block; RULE: 0 amax / M_e rounded (NEAREST), 1 OCP's floor power
     of two, 2-5 the alpha rules CEIL, MSE, HALF, RTE, 6 RCEIL (E8M0), 7 CEIL; ARITH: 0 EXACT,
@@ -106,6 +114,36 @@ class PQuantizer:
             BLOCK=spec.block[0], RULE=_RULES[spec.scale_rule], ARITH=_ARITHMETICS[spec.arithmetic],
             TENSOR=spec.tensor_scale, EMAX_E=spec.element.emax,
         )  # fmt: skip
+
+
+    @classmethod
+    def direct(cls, spec, p_min_exponent: int | None) -> PQuantizer:
+        """Direct-P with the alpha-grid block format `spec` (fp4-fa4's
+        ``hao_direct_transform_pack_mxfp4_quarter_log2``, `fp4lab.analysis.p_quant`):
+        SCALE_POW2 is e_B's range, its floor raised to `p_min_exponent`."""
+        check_direct_p(spec)
+        lo = math.floor(math.log2(spec.scale.min_subnormal))
+        if p_min_exponent is not None:
+            lo = max(lo, p_min_exponent)
+        hi = math.floor(math.log2(spec.scale.max))
+        return cls(
+            MODE=3, ELEM=_grid(spec.element), SCALE_POW2=(lo, hi), BLOCK=spec.block[0],
+            RULE=_RULES[spec.scale_rule], EMAX_E=spec.element.emax,
+        )  # fmt: skip
+
+
+def check_direct_p(spec) -> None:
+    """Raise for a Direct-P format the kernel does not run: 1-D blocks of 16 or 32 keys with an
+    alpha-grid rule (the reference takes only those, too)."""
+    if not isinstance(spec, QuantSpec) or not spec.scale_rule.alpha_grid:
+        raise NotImplementedError(
+            f"p: Direct-P in the Triton kernel takes an alpha-grid block format, got {spec!r}"
+        )
+    if spec.block is None or len(spec.block) != 1 or spec.block[0] not in (16, 32):
+        raise NotImplementedError(
+            f"p: Direct-P in the Triton kernel takes 1-D blocks of 16 or 32 keys, got "
+            f"{spec.block}"
+        )
 
 
 def _grid(fmt: FloatFormat) -> tuple:
@@ -352,6 +390,44 @@ def _quantize_p(
     return values, tile_factor
 
 
+@triton.jit
+def _direct_p(
+    z,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    RULE: tl.constexpr,
+    E_LO: tl.constexpr,
+    E_HI: tl.constexpr,
+    EQ_LO: tl.constexpr,
+    EQ_HI: tl.constexpr,
+    E_UNIT: tl.constexpr,
+    E_MAX: tl.constexpr,
+    LOG2_ME: tl.constexpr,
+):
+    """Direct-P's values of a tile of z = log2 P: per block of QBLOCK keys, e_B from the
+    block's largest z by the alpha rule (in the log domain, as `fp4lab.analysis.p_quant`),
+    clamped to [E_LO, E_HI]; codes E2M1(2^(z - e_B + log2 M_e)); values codes 2^e_B (exact in
+    bf16), whose products the caller multiplies by 1 / M_e."""
+    zb = tl.reshape(z, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
+    top = tl.max(zb, axis=2)
+    if RULE == 2:  # ALPHA_CEIL: ceil(z)
+        e = tl.ceil(top)
+    elif RULE == 4:  # ALPHA_HALF: floor(z + 1 - log2 1.5)
+        e = tl.floor((top + 1.0) - 0.5849625007211562)
+    else:
+        fl = tl.floor(top)
+        r = tl.exp2(top - fl)
+        if RULE == 3:  # ALPHA_MSE
+            e = fl + (r >= 1.203125).to(tl.float32)
+        else:  # ALPHA_RTE
+            odd = ((tl.where(fl > -1000.0, fl, 0.0).to(tl.int32) + 127) & 1) == 1
+            e = fl + ((r > 1.5) | ((r == 1.5) & odd)).to(tl.float32)
+    e = tl.minimum(tl.maximum(e, E_LO), E_HI)  # a block of -inf (all masked) takes E_LO
+    codes = _round(tl.exp2(zb - e[:, :, None] + LOG2_ME), EQ_LO, EQ_HI, E_UNIT, E_MAX)
+    return tl.reshape(codes * _pow2(e.to(tl.int32))[:, :, None], (BLOCK_M, BLOCK_N))
+
+
 # -- the kernel ------------------------------------------------------------------------------------
 # fmt: off
 @triton.jit
@@ -360,13 +436,13 @@ def _fwd_inner(
     stride_kn, stride_kd, stride_vn, stride_vd, lo, hi, step,
     MASKED: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
+    CAUSAL: tl.constexpr, FIXED: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
     ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr,
     MODE: tl.constexpr, LIFT: tl.constexpr, EQ_LO: tl.constexpr, EQ_HI: tl.constexpr,
     E_UNIT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
-    EMAX_E: tl.constexpr,
+    EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr,
 ):
     """The key tiles starting at lo, lo + step, ... (before hi) of one query tile. MASKED
     tiles may hold keys past Sk, query rows past Sq or (causal) keys after a query; the others
@@ -388,28 +464,45 @@ def _fwd_inner(
             if CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None])
             qk = tl.where(keep, qk, -float("inf"))
-        # -- update m_i --
-        top = tl.maximum(m_i, tl.max(qk, 1))
-        if LAZY:  # keep the old maximum while the tile raises it by at most LAZY_LOG2 bits
-            m_new = tl.where(top - m_i > LAZY_LOG2, top, m_i)
+        # -- update m_i -- (a fixed reference keeps it, and nothing is rescaled)
+        if FIXED:
+            m_use = m_i
         else:
-            m_new = top
-        if MASKED:  # a row with no key yet keeps m = -inf
-            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
+            top = tl.maximum(m_i, tl.max(qk, 1))
+            if LAZY:  # keep the old maximum while the tile raises it by at most LAZY_LOG2 bits
+                m_new = tl.where(top - m_i > LAZY_LOG2, top, m_i)
+            else:
+                m_new = top
+            if MASKED:  # a row with no key yet keeps m = -inf
+                m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            alpha = tl.exp2(m_i - m_use)
+        z = qk - m_use[:, None]  # log2 P
         # -- quantize P --
-        p_hat, factor = _quantize_p(
-            p, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
-            S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
-        )
+        if MODE == 3:  # Direct-P: codes from z itself
+            p_hat = _direct_p(
+                z, BLOCK_M, BLOCK_N, QBLOCK, RULE, E_LO, E_HI, EQ_LO, EQ_HI, E_UNIT, E_MAX,
+                LOG2_ME,
+            )
+            factor = 1.0 / E_MAX
+            if not ROW_SUM_Q:
+                p = tl.exp2(z)
+        else:
+            p = tl.exp2(z)
+            p_hat, factor = _quantize_p(
+                p, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
+                S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+            )
         # -- update l_i and acc --
         if ROW_SUM_Q:
-            l_i = l_i * alpha + tl.sum(p_hat, 1) * factor
+            row = tl.sum(p_hat, 1) * factor
         else:
-            l_i = l_i * alpha + tl.sum(p, 1)
+            row = tl.sum(p, 1)
+        if FIXED:
+            l_i = l_i + row
+        else:
+            l_i = l_i * alpha + row
         if PV_FP8:  # P and V hold E4M3 values: the FP8 tensor cores, V K-major
             vt_ptrs = v_base + offs_dv[:, None] * stride_vd + offs_n[None, :] * stride_vn
             if MASKED:
@@ -429,8 +522,11 @@ def _fwd_inner(
                 pv = tl.dot(tail, v, tl.dot(head, v))
             else:
                 pv = tl.dot(p_hat.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv * factor
-        m_i = m_new
+        if FIXED:
+            acc = acc + pv * factor
+        else:
+            acc = acc * alpha[:, None] + pv * factor
+            m_i = m_new
     return acc, l_i, m_i
 
 
@@ -439,7 +535,7 @@ def _attn_fwd(
     Q, K, V, Out, LSE, QF, KF, VF, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om,
-    H, G, Sq, Sk,
+    H, G, Sq, Sk, anchor_log2,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, REVERSE: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
     ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr,
@@ -448,7 +544,9 @@ def _attn_fwd(
     E_UNIT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
-    EMAX_E: tl.constexpr,
+    EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr,
+    # the row reference: 0 the running (or lazy) maximum, 1 fp4-fa4's anchor, 2 zero
+    REF: tl.constexpr, FIXED: tl.constexpr, ANCHOR_KEYS: tl.constexpr,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units).
 
@@ -472,6 +570,18 @@ def _attn_fwd(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    if REF == 1:  # each row's largest score over its first ANCHOR_KEYS keys, plus the margin
+        offs_a = tl.arange(0, BLOCK_N)
+        first = (offs_a < ANCHOR_KEYS) & (offs_a < Sk)
+        a_ptrs = k_base + offs_a[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        qk = tl.dot(q, tl.load(a_ptrs, mask=first[None, :], other=0.0)) * qk_scale
+        keep = first[None, :] & rows[:, None]
+        if CAUSAL:
+            keep = keep & (offs_a[None, :] <= offs_m[:, None])
+        top = tl.max(tl.where(keep, qk, -float("inf")), 1)
+        m_i = tl.where(top == -float("inf"), 0.0, top + anchor_log2)  # none seen: 0
+    elif REF == 2:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
     n_tiles = tl.cdiv(Sk, BLOCK_N)
@@ -482,36 +592,25 @@ def _attn_fwd(
     if m0 + BLOCK_M > Sq:  # a partial query tile: every tile masked
         n_free = 0
     free_end, last = n_free * BLOCK_N, n_tiles * BLOCK_N
-    if REVERSE:  # last to first: the masked tiles come first
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
-            stride_kn, stride_kd, stride_vn, stride_vd, last - BLOCK_N, free_end - 1, -BLOCK_N,
-            True, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8,
-            MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
-            QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
-        )
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
-            stride_kn, stride_kd, stride_vn, stride_vd, free_end - BLOCK_N, -1, -BLOCK_N,
-            False, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8,
-            MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
-            QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
-        )
+    # the two ranges in visiting order: last to first, the masked tiles come first
+    if REVERSE:
+        lo1, hi1, lo2, hi2, step = last - BLOCK_N, free_end - 1, free_end - BLOCK_N, -1, -BLOCK_N
     else:
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
-            stride_kn, stride_kd, stride_vn, stride_vd, 0, free_end, BLOCK_N,
-            False, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8,
-            MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
-            QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
-        )
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
-            stride_kn, stride_kd, stride_vn, stride_vd, free_end, last, BLOCK_N,
-            True, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8,
-            MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
-            QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
-        )
+        lo1, hi1, lo2, hi2, step = 0, free_end, free_end, last, BLOCK_N
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
+        stride_kn, stride_kd, stride_vn, stride_vd, lo1, hi1, step,
+        REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q,
+        PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+        QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
+        stride_kn, stride_kd, stride_vn, stride_vd, lo2, hi2, step,
+        not REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q,
+        PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+        QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
+    )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
     lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
@@ -520,6 +619,9 @@ def _attn_fwd(
     o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=rows[:, None])
 # fmt: on
+
+
+_REFERENCES = {"running": 0, "anchor": 1, "zero": 2}
 
 
 # -- the launcher ----------------------------------------------------------------------------------
@@ -537,13 +639,25 @@ def attention_forward(
     reverse: bool = False,
     lazy_log2: float | None = None,
     row_sum_quantized: bool = False,
+    reference: str = "running",
+    anchor_keys: int = 0,
+    anchor_margin: float = 0.0,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
     """O (B, H, Sq, Dv) and lse (B, H, Sq) fp32 of already quantized q, k, v (B, H|Hkv, S, D),
     bf16 or fp16, contiguous in their last dim, on the GPU (or under the interpreter); the
     values of q, k, v are multiplied by `factors` (fp32 tensors of (B, H), (B, Hkv), (B, Hkv)
-    elements) in the kernel's fp32 arithmetic."""
+    elements) in the kernel's fp32 arithmetic. `reference` is the row reference: "running"
+    (with `lazy_log2`, the lazy maximum), "anchor" (each row's largest score over its first
+    `anchor_keys` keys plus `anchor_margin` in score units, fixed) or "zero"."""
+    if reference not in _REFERENCES:
+        raise ValueError(f"reference must be one of {', '.join(_REFERENCES)}; got {reference!r}")
+    if reference == "anchor" and not 0 < anchor_keys <= block_n:
+        raise ValueError(
+            f"anchor_keys must be in [1, block_n={block_n}] (the anchor is read from key tile "
+            f"0), got {anchor_keys}"
+        )
     B, H, Sq, D = q.shape
     Hk, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     o = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)  # bf16 (fp32 interpreted)
@@ -555,7 +669,7 @@ def attention_forward(
         q, k, v, o, lse, qf, kf, vf, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), o.stride(0), o.stride(1), o.stride(2),
-        H, H // Hk, Sq, Sk,
+        H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E,
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, REVERSE=reverse,
         LAZY=lazy_log2 is not None, LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized,
         PV_FP8=v.dtype == torch.float8_e4m3fn,
@@ -563,7 +677,8 @@ def attention_forward(
         E_MAX=pq.ELEM[3], SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2],
         S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
         RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
-        num_warps=num_warps, num_stages=num_stages,
+        LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
+        ANCHOR_KEYS=anchor_keys, num_warps=num_warps, num_stages=num_stages,
     )
     # fmt: on
     return o, lse

@@ -42,6 +42,7 @@ FP8_PV_BUDGET = 2e-3  # FP8 tensor cores' reduced-precision accumulation (GPU on
 RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_alpha_ceil", "nvfp4_ue5m3",
     "fa4fp4_causal", "fa3_fp8", "attn_qat", "fa4fp4_causal_mxfp8pv", "fp8_per_tensor",
+    "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64",
 ]  # fmt: skip
 
 
@@ -84,6 +85,28 @@ def test_masked_and_unmasked_key_tiles_meet_where_they_should(recipe, causal, sq
     assert rel(got, want) <= budget
 
 
+@pytest.mark.parametrize("recipe", ["fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64"])
+@pytest.mark.parametrize("sq, sk", [(80, 72), (40, 100)])
+def test_direct_p_with_a_fixed_reference_across_tiles(recipe, sq, sk):
+    # Direct-P with the anchor (its keys inside key tile 0) or the zero reference, causal:
+    # the anchor read once before the loop, nothing rescaled, ragged tiles on both sides.
+    # head_dim 32, not 64: at 64 the anchor's margin, 64 ln 2 / sqrt(64) in log2 units, is
+    # exactly 8, so a row whose maximum is its anchor has a block maximum at z = -8, on
+    # ALPHA_CEIL's discontinuity, where the last bit of the fp32 subtraction picks e_B (the
+    # two paths order it differently; so may the released kernel)
+    q, k, v = inputs(1, 2, 1, sq, sk, 32, seed=sq * sk)
+    tiles = dict(block_m=32, block_n=32)
+    got = fp4lab.attention(q, k, v, recipe, causal=True, backend="triton", **tiles)
+    want = reference_attention(q, k, v, recipe, causal=True, **tiles)
+    assert rel(got, want) <= BUDGET
+
+
+def test_an_anchor_past_key_tile_0_is_refused():
+    q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=6)
+    with pytest.raises(ValueError, match="anchor_keys"):
+        fp4lab.attention(q, k, v, "fa4fp4_causal_mxfp4pv", backend="triton", block_n=16)
+
+
 def test_padded_query_rows_do_not_move_a_tile_scale():
     # NVFP4 P takes a tensor scale per tile: rows past the sequence must not enter its amax
     q, k, v = inputs(1, 1, 1, 40, 64, 32, seed=3)
@@ -94,8 +117,9 @@ def test_padded_query_rows_do_not_move_a_tile_scale():
 
 @pytest.mark.parametrize(
     "recipe, what",
-    [("sageattn3", "smooth_q"), ("croissattn", "stochastic"), ("fa4fp4_causal_mxfp4pv", "direct"),
-     ("sageattn3_paper", "row_scaled"), ("fa4fp4_directp", "row_reference=zero")],
+    [("sageattn3", "smooth_q"), ("croissattn", "stochastic"),
+     ("fa4fp4_causal_mxfp4pv_fixed", "leakage_fix"), ("sageattn3_paper", "row_scaled"),
+     ("fa4fp4_directp", "affine")],
 )  # fmt: skip
 def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, what):
     q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)
