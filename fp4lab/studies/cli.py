@@ -8,11 +8,13 @@ status, as the other fp4lab commands do.
 from __future__ import annotations
 
 import argparse
+import os
 
 from fp4lab.backends import BACKENDS
 from fp4lab.studies.config import config_types, describe_type
 from fp4lab.studies.discovery import PRESET_NAMES, list_studies
 from fp4lab.studies.runner import rebuild_report, run_study
+from fp4lab.studies.text import SUMMARY_HEADING, summary
 
 __all__ = ["add_study_commands"]
 
@@ -39,7 +41,8 @@ def add_study_commands(subparsers) -> argparse.ArgumentParser:
         "run",
         help="run a study and write its results folder",
         description="Run every cell of a study's sweep (resumable, spread over torchrun's "
-        "ranks when launched under torchrun) and write its results folder.",
+        "ranks when launched under torchrun), write its results folder and print the "
+        "report's summary (its 'What the numbers show' section).",
     )
     p.add_argument("name", help="the study (see `fp4lab study list`)")
     p.add_argument(
@@ -103,6 +106,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.name, args.preset, args.overrides, out=args.out, device=args.device,
         backend=args.backend, seed=args.seed, resume=args.resume, quiet=args.quiet,
     )
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 writes the report
+    found = summary((out / "report.md").read_text()) if rank0 else None
+    if found:
+        print(f"{SUMMARY_HEADING.lstrip('# ')}:\n\n{found}\n")
     print(f"Wrote {out} (report: {out / 'report.md'})")
     return 0
 

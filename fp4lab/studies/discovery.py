@@ -9,8 +9,9 @@ A study module (``studies/<name>.py``, its name the file's with ``_`` read as ``
                                        or {"metrics": rows, "<table>": rows, ...} to store
                                        more tables (<table>.parquet, for notebooks);
                                        ctx is a `CellContext` (device, backend, seeds)
-    report(config, metrics[, tables]) -> (markdown, {name: matplotlib Figure}), from the
-                                       metrics (and the other tables, if it takes them)
+    report(config, metrics[, tables]) -> (markdown, {name: matplotlib Figure}[, {name:
+                                       DataFrame}]), from the metrics (and the other tables, if
+                                       it takes them); the third item: tables it derives
     BACKENDS (optional): the backends it can measure with (default: all of fp4lab's)
 
 Modules are imported from their files with importlib (the folder is not a package), once
@@ -29,6 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+import pandas as pd
 
 import fp4lab
 from fp4lab.backends import BACKENDS
@@ -122,12 +125,23 @@ class Study:
         return {name: _rows(rows, where) for name, rows in tables.items()}
 
     def report(self, config, metrics, tables: dict):
-        """(markdown, {name: Figure}) from the study's `report`; a report with a third
-        parameter ``tables`` also gets the other tables its cells returned, by name."""
+        """(markdown, {name: Figure}, {name: DataFrame}) from the study's `report`; a report
+        with a third parameter ``tables`` also gets the other tables its cells returned, by
+        name. A report may return a third item, tables derived from the metrics (a ranking):
+        the folder stores them as <name>.parquet and <name>.csv."""
         takes_tables = "tables" in inspect.signature(self.module.report).parameters
         extra = (tables,) if takes_tables else ()
-        text, figures = self.module.report(config, metrics, *extra)
-        return text, dict(figures)
+        found = self.module.report(config, metrics, *extra)
+        if not isinstance(found, tuple) or len(found) not in (2, 3):
+            raise TypeError(f"study {self.name}: report must return (markdown, figures) or "
+                            "(markdown, figures, tables)")
+        derived = dict(found[2]) if len(found) == 3 else {}
+        for name, frame in derived.items():
+            if not (isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_]*", name)
+                    and name != "metrics" and isinstance(frame, pd.DataFrame)):
+                raise ValueError(f"study {self.name}: the report's table {name!r} must be a "
+                                 "DataFrame named in lower case, not 'metrics'")
+        return found[0], dict(found[1]), derived
 
 
 def _rows(rows, where: str) -> list[dict]:

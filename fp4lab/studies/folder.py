@@ -6,6 +6,8 @@
       cells/00000.json  one file per finished cell: its parameters, its seed, its tables' rows
       metrics.parquet   every cell's rows in the sweep's order (and metrics.csv)
       <table>.parquet   any other table the study's cells return (e.g. per-tile traces)
+      <name>.parquet    tables the report derives from the metrics (e.g. a ranking), also
+                        <name>.csv
       figures/<name>.png
       report.md
 

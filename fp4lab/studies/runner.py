@@ -13,7 +13,8 @@
    most the round in flight. A cell's seed is a hash of the run's seed and the cell's
    parameters, so neither the rank that runs it nor the session changes its numbers;
 4. (rank 0) assemble the metrics table from the stored cells in the sweep's order and write
-   it, the figures and the report (`rebuild_report` repeats only this step).
+   it, the figures, the report and the tables the report derives from the metrics
+   (`rebuild_report` repeats only this step).
 
 The backend is passed to the study's `fp4lab.attention` calls as given, so what a backend
 does not run raises the library's own error at the first cell, and a study that calls no
@@ -308,9 +309,11 @@ def rebuild_report(out: str | Path, *, folder: str | Path | None = None) -> Path
 
 
 def _write_report(path: Path, study: Study, config, record: dict) -> Path:
-    """report.md and figures/ from the stored tables (read back, as rebuild_report reads)."""
+    """report.md, figures/ and the report's own tables from the stored tables (read back, as
+    rebuild_report reads)."""
     results = read_tables(path)
-    text, figures = study.report(config, results.pop("metrics"), results)
+    text, figures, derived = study.report(config, results.pop("metrics"), results)
+    _write_derived(path, study, derived)
     for name, figure in figures.items():
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
             raise ValueError(f"study {study.name}: figure name {name!r} is not a file name")
@@ -324,6 +327,18 @@ def _write_report(path: Path, study: Study, config, record: dict) -> Path:
     report = path / "report.md"
     atomic_write(report, lambda tmp: tmp.write_text(body))
     return report
+
+
+def _write_derived(path: Path, study: Study, derived: dict) -> None:
+    """The tables a report derives from the metrics, as <name>.parquet and <name>.csv; a
+    name that a cell's table already has is refused (it would overwrite stored results)."""
+    stored = {name for cell in read_cells(path).values() for name in cell["tables"]}
+    for name, frame in derived.items():
+        if name in stored:
+            raise ValueError(f"study {study.name}: the report's table {name!r} has the name of "
+                             "a table its cells return")
+        atomic_write(path / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp))
+        atomic_write(path / f"{name}.csv", lambda tmp, f=frame: f.to_csv(tmp, index=False))
 
 
 def _reproduce(path: Path, record: dict) -> str:

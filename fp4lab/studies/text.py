@@ -1,12 +1,16 @@
-"""Helpers for a study's report: numbers and tables in markdown."""
+"""Helpers for a study's report: numbers and tables in markdown, and its summary section."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 
-__all__ = ["number", "markdown_table"]
+__all__ = ["number", "markdown_table", "summary", "SUMMARY_HEADING"]
+
+# The heading of a report's findings in short; `fp4lab study run` prints that section.
+SUMMARY_HEADING = "## What the numbers show"
 
 
 def number(x, digits: int = 3) -> str:
@@ -27,3 +31,11 @@ def markdown_table(frame: pd.DataFrame, columns: dict[str, str] | None = None,
     for _, row in frame.iterrows():
         lines.append("| " + " | ".join(number(row.get(c), digits) for c in columns) + " |")
     return "\n".join(lines) + "\n"
+
+
+def summary(report: str) -> str | None:
+    """The body of `report`'s SUMMARY_HEADING section (up to the next ``## `` heading),
+    stripped; None when the report has no such section."""
+    found = re.search(rf"^{re.escape(SUMMARY_HEADING)}[ \t]*\n(.*?)(?=^## |\Z)", report,
+                      flags=re.M | re.S)
+    return found.group(1).strip() if found else None

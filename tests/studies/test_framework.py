@@ -20,7 +20,7 @@ import pytest
 
 import fp4lab.studies.discovery as discovery
 from fp4lab.config import from_fields, to_fields
-from fp4lab.studies import apply_overrides, load_study, rebuild_report, run_study
+from fp4lab.studies import apply_overrides, load_study, rebuild_report, run_study, summary
 from fp4lab.studies.cli import add_study_commands
 
 TOY = Path(__file__).resolve().parent / "toy"
@@ -169,6 +169,31 @@ def test_cells_may_return_more_tables(tmp_path):
     assert set(tiles["cell_seed"]) == set(metrics["cell_seed"])
 
 
+def test_a_report_may_derive_tables_stored_as_parquet_and_csv(tmp_path, monkeypatch):
+    metrics = run_toy(tmp_path / "run")
+    want = metrics.groupby("parity", as_index=False)["value"].sum()
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "run" / "by_parity.parquet"), want)
+    assert pd.read_csv(tmp_path / "run" / "by_parity.csv")["value"].tolist() == pytest.approx(
+        want["value"].tolist(), rel=1e-12)
+    (tmp_path / "run" / "by_parity.csv").unlink()
+    rebuild_report(tmp_path / "run", folder=TOY)
+    assert (tmp_path / "run" / "by_parity.csv").is_file()
+    module = load_study("toy-sweep", TOY).module
+    monkeypatch.setattr(module, "report", lambda config, metrics: ("", {}, {"tiles": metrics}))
+    with pytest.raises(ValueError, match="the report's table 'tiles' has the name of a table"):
+        run_toy(tmp_path / "clash", "extra=true")
+    monkeypatch.setattr(module, "report", lambda config, metrics: ("", {}, {"Bad": metrics}))
+    with pytest.raises(ValueError, match="the report's table 'Bad' must be a DataFrame"):
+        rebuild_report(tmp_path / "run", folder=TOY)
+
+
+def test_summary_is_the_what_the_numbers_show_section():
+    report = "# S\n\n## Setup\n\nx\n\n## What the numbers show\n\n- a\n- b\n\n## Rest\n\ny\n"
+    assert summary(report) == "- a\n- b"
+    assert summary("## What the numbers show\n\nlast\n") == "last"
+    assert summary("## Setup\n\nx\n") is None
+
+
 def test_rerun_with_the_same_seed_gives_identical_metrics(tmp_path):
     first = run_toy(tmp_path / "a", seed=3)
     again = run_toy(tmp_path / "b", seed=3)
@@ -299,7 +324,10 @@ def test_cli_lists_runs_and_rebuilds(cli, tmp_path, capsys):
     run = tmp_path / "run"
     assert cli("study", "run", "toy-sweep", "--set", "cells=2", "--set", "size=8", "--out",
                str(run), "--seed", "5", "--quiet") == 0
-    assert f"Wrote {run}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"Wrote {run}" in printed
+    assert "What the numbers show:\n\n4 rows, sum of values" in printed  # the summary
+    assert "Nothing." not in printed
     config = json.loads((run / "config.json").read_text())
     assert config["overrides"] == ["cells=2", "size=8"] and config["seed"] == 5
     assert "--set cells=2 --set size=8 --seed 5" in (run / "report.md").read_text()

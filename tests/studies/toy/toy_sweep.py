@@ -55,5 +55,7 @@ def run_cell(config: ToyConfig, cell: dict, ctx) -> list[dict]:
 def report(config: ToyConfig, metrics):
     fig = Figure(figsize=(3, 2))
     fig.subplots().plot(metrics["i"], metrics["value"], "o")
-    text = f"## Numbers\n\n{len(metrics)} rows, sum of values {metrics['value'].sum():.6g}.\n"
-    return text, {"values": fig}
+    text = (f"## What the numbers show\n\n{len(metrics)} rows, sum of values "
+            f"{metrics['value'].sum():.6g}.\n\n## More\n\nNothing.\n")
+    by_parity = metrics.groupby("parity", as_index=False)["value"].sum()
+    return text, {"values": fig}, {"by_parity": by_parity}  # a table derived from the metrics
