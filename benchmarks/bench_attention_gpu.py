@@ -43,7 +43,7 @@ def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages):
     pq = PQuantizer.of(recipe.p, recipe.p_lift)
     options = dict(
         causal=causal, scale=1 / math.sqrt(q.shape[-1]), block_m=block_m, block_n=block_n,
-        num_warps=warps, num_stages=stages, **backend.forward_options(recipe),
+        num_warps=warps, num_stages=stages, **backend.forward_options(recipe, causal, v),
     )  # fmt: skip
     return lambda: attention_forward(qs, ks, vs, factors, pq, **options)[0]
 

@@ -57,7 +57,7 @@ def check_recipe(recipe: AttentionRecipe) -> None:
         missing.append("Direct-P's affine code map (direct_p_affine)")
     if recipe.tensor_scope is TensorScope.TILE:
         missing.append("tensor_scope=tile")
-    for name in ("leakage_fix", "smooth_q", "incoherent_processing"):
+    for name in ("smooth_q", "incoherent_processing"):
         if getattr(recipe, name):
             missing.append(name)
     if recipe.stochastic:
@@ -192,10 +192,14 @@ _REFERENCES = {
 }  # fmt: skip
 
 
-def forward_options(recipe: AttentionRecipe) -> dict:
-    """The recipe's mechanisms as `attention_forward`'s keyword arguments."""
+def forward_options(recipe: AttentionRecipe, causal: bool, v: torch.Tensor) -> dict:
+    """The recipe's mechanisms as `attention_forward`'s keyword arguments (v: the unquantized
+    V, which the leakage fix multiplies P's diagonal blocks by)."""
     lazy = recipe.lazy_rescale_log2 if recipe.row_reference is RowReference.LAZY_MAX else None
+    leak = recipe.leakage_fix and causal
     return dict(
+        leakage_block=recipe.leakage_block if leak else 0,
+        v_plain=v.to(_store_dtype(v)).contiguous() if leak else None,
         reverse=recipe.kv_order is KVOrder.REVERSE,
         lazy_log2=lazy,
         row_sum_quantized=recipe.row_sum is RowSum.QUANTIZED_P,
@@ -213,7 +217,7 @@ class _TritonAttention(torch.autograd.Function):
         qs, ks, vs, factors = prepare(q, k, v, recipe)
         o, _ = attention_forward(
             qs, ks, vs, factors, p_quantizer(recipe), causal=causal,
-            scale=scale, block_m=block_m, block_n=block_n, **forward_options(recipe),
+            scale=scale, block_m=block_m, block_n=block_n, **forward_options(recipe, causal, v),
         )  # fmt: skip
         return o.to(q.dtype)
 

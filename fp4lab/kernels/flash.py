@@ -33,8 +33,7 @@ dim 64, whose margin is exactly 8 in log2 units), ALPHA_CEIL's e_B hangs on the 
 an fp32 subtraction that the two paths order differently.
 
 What is not here yet (asking for it raises, never falls back): the backward, the trace,
-two-level P, Direct-P's affine code map, stochastic rounding of P, the leakage fix and
-attn_mask.
+two-level P, Direct-P's affine code map, stochastic rounding of P and attn_mask.
 """
 
 from __future__ import annotations
@@ -432,9 +431,9 @@ def _direct_p(
 # fmt: off
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
-    stride_kn, stride_kd, stride_vn, stride_vd, lo, hi, step,
-    MASKED: tl.constexpr,
+    acc, l_i, m_i, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, lo, hi, step,
+    MASKED: tl.constexpr, LEAK: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FIXED: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
     ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr,
@@ -446,7 +445,9 @@ def _fwd_inner(
 ):
     """The key tiles starting at lo, lo + step, ... (before hi) of one query tile. MASKED
     tiles may hold keys past Sk, query rows past Sq or (causal) keys after a query; the others
-    hold none, and skip the masks."""
+    hold none, and skip the masks. LEAK > 0 (the leakage fix, causal, masked tiles only):
+    where query and key share a block of LEAK positions, P and V enter unquantized (V from
+    vp_base, its product divided by V's factor, which the output takes at the end)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for start in range(lo, hi, step):
@@ -486,7 +487,7 @@ def _fwd_inner(
                 LOG2_ME,
             )
             factor = 1.0 / E_MAX
-            if not ROW_SUM_Q:
+            if not ROW_SUM_Q or (MASKED and LEAK > 0):
                 p = tl.exp2(z)
         else:
             p = tl.exp2(z)
@@ -494,9 +495,15 @@ def _fwd_inner(
                 p, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
                 S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
             )
+        if MASKED and LEAK > 0:  # the leakage fix: the diagonal blocks' P leaves P^
+            diagonal = (offs_m[:, None] // LEAK) == (offs_n[None, :] // LEAK)
+            p_exact = tl.where(diagonal, p, 0.0)
+            p_hat = tl.where(diagonal, 0.0, p_hat)
         # -- update l_i and acc --
         if ROW_SUM_Q:
             row = tl.sum(p_hat, 1) * factor
+            if MASKED and LEAK > 0:
+                row = row + tl.sum(p_exact, 1)
         else:
             row = tl.sum(p, 1)
         if FIXED:
@@ -522,19 +529,27 @@ def _fwd_inner(
                 pv = tl.dot(tail, v, tl.dot(head, v))
             else:
                 pv = tl.dot(p_hat.to(v.dtype), v)
+        pv = pv * factor
+        if MASKED and LEAK > 0:  # P's diagonal blocks times unquantized V, 16 bits of P
+            vp_ptrs = vp_base + offs_n[:, None] * stride_pn + offs_dv[None, :] * stride_pd
+            vp = tl.load(vp_ptrs, mask=inside[:, None], other=0.0)
+            head = p_exact.to(vp.dtype)
+            tail = (p_exact - head.to(tl.float32)).to(vp.dtype)
+            pv = pv + tl.dot(tail, vp, tl.dot(head, vp)) * inv_vf
         if FIXED:
-            acc = acc + pv * factor
+            acc = acc + pv
         else:
-            acc = acc * alpha[:, None] + pv * factor
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, Out, LSE, QF, KF, VF, qk_scale,
+    Q, K, V, VP, Out, LSE, QF, KF, VF, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_pb, stride_ph, stride_pn, stride_pd,
+    stride_ob, stride_oh, stride_om,
     H, G, Sq, Sk, anchor_log2,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, REVERSE: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
@@ -546,7 +561,7 @@ def _attn_fwd(
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr,
     # the row reference: 0 the running (or lazy) maximum, 1 fp4-fa4's anchor, 2 zero
-    REF: tl.constexpr, FIXED: tl.constexpr, ANCHOR_KEYS: tl.constexpr,
+    REF: tl.constexpr, FIXED: tl.constexpr, ANCHOR_KEYS: tl.constexpr, LEAK: tl.constexpr,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units).
 
@@ -560,6 +575,7 @@ def _attn_fwd(
     # the operands' factors outside their bf16 values (tensor scales, alpha grids' 1/M_e)
     qk_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + b * (H // G) + hk)
     out_factor = tl.load(VF + b * (H // G) + hk)
+    inv_vf = 1.0 / out_factor
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -569,6 +585,7 @@ def _attn_fwd(
     q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
+    vp_base = VP + b * stride_pb + hk * stride_ph
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     if REF == 1:  # each row's largest score over its first ANCHOR_KEYS keys, plus the margin
         offs_a = tl.arange(0, BLOCK_N)
@@ -598,18 +615,18 @@ def _attn_fwd(
     else:
         lo1, hi1, lo2, hi2, step = 0, free_end, free_end, last, BLOCK_N
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
-        stride_kn, stride_kd, stride_vn, stride_vd, lo1, hi1, step,
-        REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q,
-        PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
-        QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
+        acc, l_i, m_i, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, lo1, hi1, step,
+        REVERSE, LEAK, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2,
+        ROW_SUM_Q, PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX,
+        E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
     )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, offs_m, rows, qk_scale, Sk,
-        stride_kn, stride_kd, stride_vn, stride_vd, lo2, hi2, step,
-        not REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q,
-        PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
-        QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
+        acc, l_i, m_i, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, lo2, hi2, step,
+        not REVERSE, LEAK, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2,
+        ROW_SUM_Q, PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX,
+        E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
     )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
@@ -642,6 +659,8 @@ def attention_forward(
     reference: str = "running",
     anchor_keys: int = 0,
     anchor_margin: float = 0.0,
+    leakage_block: int = 0,
+    v_plain=None,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
@@ -658,6 +677,13 @@ def attention_forward(
             f"anchor_keys must be in [1, block_n={block_n}] (the anchor is read from key tile "
             f"0), got {anchor_keys}"
         )
+    if leakage_block and (v_plain is None or not causal or block_m % leakage_block):
+        raise ValueError(
+            f"leakage_block={leakage_block}: the leakage fix needs causal attention, v_plain "
+            f"(the unquantized V) and block_m a multiple of it (got {block_m}), so that the "
+            "diagonal blocks lie in the masked tiles only"
+        )
+    v_plain = v if v_plain is None else v_plain
     B, H, Sq, D = q.shape
     Hk, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     o = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)  # bf16 (fp32 interpreted)
@@ -666,9 +692,10 @@ def attention_forward(
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
     # fmt: off
     _attn_fwd[grid](
-        q, k, v, o, lse, qf, kf, vf, scale * LOG2E,
+        q, k, v, v_plain, o, lse, qf, kf, vf, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        v.stride(0), v.stride(1), v.stride(2), v.stride(3), o.stride(0), o.stride(1), o.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), v.stride(3), *v_plain.stride(),
+        o.stride(0), o.stride(1), o.stride(2),
         H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E,
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, REVERSE=reverse,
         LAZY=lazy_log2 is not None, LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized,
@@ -678,7 +705,7 @@ def attention_forward(
         S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
         RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
         LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
-        ANCHOR_KEYS=anchor_keys, num_warps=num_warps, num_stages=num_stages,
+        ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, num_warps=num_warps, num_stages=num_stages,
     )
     # fmt: on
     return o, lse

@@ -85,7 +85,10 @@ def test_masked_and_unmasked_key_tiles_meet_where_they_should(recipe, causal, sq
     assert rel(got, want) <= budget
 
 
-@pytest.mark.parametrize("recipe", ["fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64"])
+@pytest.mark.parametrize(
+    "recipe",
+    ["fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64", "fa4fp4_causal_mxfp4pv_fixed"],
+)
 @pytest.mark.parametrize("sq, sk", [(80, 72), (40, 100)])
 def test_direct_p_with_a_fixed_reference_across_tiles(recipe, sq, sk):
     # Direct-P with the anchor (its keys inside key tile 0) or the zero reference, causal:
@@ -93,7 +96,8 @@ def test_direct_p_with_a_fixed_reference_across_tiles(recipe, sq, sk):
     # head_dim 32, not 64: at 64 the anchor's margin, 64 ln 2 / sqrt(64) in log2 units, is
     # exactly 8, so a row whose maximum is its anchor has a block maximum at z = -8, on
     # ALPHA_CEIL's discontinuity, where the last bit of the fp32 subtraction picks e_B (the
-    # two paths order it differently; so may the released kernel)
+    # two paths order it differently; so may the released kernel). The _fixed variant's
+    # leakage fix multiplies P's diagonal 32-blocks by unquantized V inside the masked tiles.
     q, k, v = inputs(1, 2, 1, sq, sk, 32, seed=sq * sk)
     tiles = dict(block_m=32, block_n=32)
     got = fp4lab.attention(q, k, v, recipe, causal=True, backend="triton", **tiles)
@@ -107,6 +111,21 @@ def test_an_anchor_past_key_tile_0_is_refused():
         fp4lab.attention(q, k, v, "fa4fp4_causal_mxfp4pv", backend="triton", block_n=16)
 
 
+def test_the_leakage_fix_changes_only_the_diagonal_blocks():
+    # against the route without the fix, the output moves (the fix acts), and the kernel
+    # follows the simulation in both; a block_m that splits V's 32-blocks is refused
+    q, k, v = inputs(1, 1, 1, 96, 96, 32, seed=8)
+    tiles = dict(block_m=32, block_n=32)
+    fixed = fp4lab.attention(q, k, v, "fa4fp4_causal_mxfp4pv_fixed", causal=True,
+                             backend="triton", **tiles)  # fmt: skip
+    plain = fp4lab.attention(q, k, v, "fa4fp4_causal_mxfp4pv", causal=True, backend="triton",
+                             **tiles)  # fmt: skip
+    assert rel(fixed, plain) > 10 * BUDGET
+    with pytest.raises(ValueError, match="leakage_block"):
+        fp4lab.attention(q, k, v, "fa4fp4_causal_mxfp4pv_fixed", causal=True, backend="triton",
+                         block_m=16, block_n=32)  # fmt: skip
+
+
 def test_padded_query_rows_do_not_move_a_tile_scale():
     # NVFP4 P takes a tensor scale per tile: rows past the sequence must not enter its amax
     q, k, v = inputs(1, 1, 1, 40, 64, 32, seed=3)
@@ -117,8 +136,7 @@ def test_padded_query_rows_do_not_move_a_tile_scale():
 
 @pytest.mark.parametrize(
     "recipe, what",
-    [("sageattn3", "smooth_q"), ("croissattn", "stochastic"),
-     ("fa4fp4_causal_mxfp4pv_fixed", "leakage_fix"), ("sageattn3_paper", "row_scaled"),
+    [("sageattn3", "smooth_q"), ("croissattn", "stochastic"), ("sageattn3_paper", "row_scaled"),
      ("fa4fp4_directp", "affine")],
 )  # fmt: skip
 def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, what):
