@@ -12,7 +12,7 @@ import os
 
 from fp4lab.backends import BACKENDS
 from fp4lab.studies.config import config_types, describe_type
-from fp4lab.studies.discovery import PRESET_NAMES, list_studies
+from fp4lab.studies.discovery import list_studies
 from fp4lab.studies.runner import rebuild_report, run_study
 from fp4lab.studies.text import SUMMARY_HEADING, summary
 
@@ -46,8 +46,9 @@ def add_study_commands(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("name", help="the study (see `fp4lab study list`)")
     p.add_argument(
-        "--preset", choices=PRESET_NAMES, default="smoke",
-        help="smoke: seconds on a CPU, for CI; full: the published sizes (default smoke)",
+        "--preset", default="smoke",
+        help="smoke: seconds on a CPU, for CI; full: the published sizes; a study may define "
+        "others (`fp4lab study list --config` shows them; default smoke)",
     )
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -96,8 +97,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         if args.config:
             presets = study.module.PRESETS
             for field, kind in config_types(study.config_type).items():
-                smoke, full = (getattr(presets[p], field) for p in PRESET_NAMES)
-                print(f"    {field} ({describe_type(kind)}): smoke {smoke!r}, full {full!r}")
+                values = ", ".join(f"{p} {getattr(presets[p], field)!r}" for p in study.presets)
+                print(f"    {field} ({describe_type(kind)}): {values}")
     return 0
 
 

@@ -3,7 +3,8 @@
 A study module (``studies/<name>.py``, its name the file's with ``_`` read as ``-``) defines
 
     QUESTION: str                      the question it answers, in a sentence
-    PRESETS: {"smoke": cfg, "full": cfg}  instances of its config dataclass (see `config`)
+    PRESETS: {"smoke": cfg, "full": cfg, ...}  instances of its config dataclass (see
+                                       `config`); presets beyond the two (e.g. "long") allowed
     cells(config) -> list[dict]        the sweep: each cell a small dict of JSON scalars
     run_cell(config, cell, ctx) -> rows   one cell's rows (list of dicts, or a DataFrame),
                                        or {"metrics": rows, "<table>": rows, ...} to store
@@ -13,6 +14,9 @@ A study module (``studies/<name>.py``, its name the file's with ``_`` read as ``
                                        DataFrame}]), from the metrics (and the other tables, if
                                        it takes them); the third item: tables it derives
     BACKENDS (optional): the backends it can measure with (default: all of fp4lab's)
+    data_parallel(config) -> bool (optional): True when every rank of torchrun runs every
+                                       cell together (a data-parallel training run, DDP);
+                                       default False, the cells spread over the ranks
 
 Modules are imported from their files with importlib (the folder is not a package), once
 per process; a study uses only fp4lab's public API, and nothing in fp4lab imports a study
@@ -40,10 +44,11 @@ from fp4lab.studies.folder import plain_value
 
 __all__ = [
     "Study", "CellContext", "studies_dir", "list_studies", "load_study", "cell_key", "cell_label",
-    "PRESET_NAMES",
+    "PRESET_NAMES", "SCRATCH",
 ]
 
-PRESET_NAMES = ("smoke", "full")
+PRESET_NAMES = ("smoke", "full")  # the presets every study has
+SCRATCH = "scratch"  # <out>/scratch/<index>: a running cell's own files (checkpoints)
 _LOADED: dict[Path, ModuleType] = {}
 
 
@@ -64,6 +69,12 @@ class CellContext:
         cell_seed: this cell's own seed, a hash of the run's seed and the cell's parameters
             (the same whichever rank or session runs the cell).
         index: the cell's position in the sweep.
+        scratch: a folder of the results folder for the cell's own files while it runs
+            (``<out>/scratch/<index>``, not created): a cell that checkpoints writes there,
+            finds its checkpoint there when a killed run is resumed, and the framework
+            deletes the folder once the cell is stored. None outside a results folder.
+        rank, world_size: this process's rank and the number of ranks running the cell
+            together (a data-parallel study under torchrun; otherwise 0 and 1).
     """
 
     device: str
@@ -71,6 +82,9 @@ class CellContext:
     seed: int
     cell_seed: int
     index: int
+    scratch: Path | None = None
+    rank: int = 0
+    world_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -93,11 +107,21 @@ class Study:
     def backends(self) -> tuple[str, ...]:
         return tuple(getattr(self.module, "BACKENDS", BACKENDS))
 
+    @property
+    def presets(self) -> tuple[str, ...]:
+        """The names of its presets: smoke, full, then any others it defines."""
+        return tuple(self.module.PRESETS)
+
     def resolve(self, preset: str, overrides=()) -> object:
         """The preset's config with the ``key=value`` overrides applied and checked."""
-        if preset not in PRESET_NAMES:
-            raise ValueError(f"preset must be one of {', '.join(PRESET_NAMES)}, got {preset!r}")
+        if preset not in self.module.PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(self.presets)}, got {preset!r}")
         return apply_overrides(self.module.PRESETS[preset], list(overrides))
+
+    def data_parallel(self, config) -> bool:
+        """Whether the ranks run each cell together (the study's `data_parallel`)."""
+        found = getattr(self.module, "data_parallel", None)
+        return bool(found(config)) if found is not None else False
 
     def cells(self, config) -> list[dict]:
         """The sweep's cells, checked: dicts of JSON scalars, no two alike."""
@@ -201,8 +225,12 @@ def _check_module(module: ModuleType, path: Path) -> None:
         if not hasattr(module, attr):
             raise TypeError(f"{where} defines no {attr}")
     presets = module.PRESETS
-    if not isinstance(presets, dict) or set(presets) != set(PRESET_NAMES):
-        raise TypeError(f"{where}: PRESETS must have exactly the keys {PRESET_NAMES}")
+    if not isinstance(presets, dict) or not set(PRESET_NAMES) <= set(presets):
+        raise TypeError(f"{where}: PRESETS must be a dict with the keys {PRESET_NAMES} (and "
+                        "any other presets)")
+    for name in presets:
+        if not (isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_-]*", name)):
+            raise TypeError(f"{where}: preset name {name!r} must be a lower-case word")
     kinds = {type(p) for p in presets.values()}
     if len(kinds) != 1:
         raise TypeError(f"{where}: its presets must be instances of one config dataclass")

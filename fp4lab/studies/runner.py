@@ -10,8 +10,12 @@
 3. run them. Under ``torchrun`` (RANK and WORLD_SIZE set) the pending cells go round-robin
    to the ranks, one round at a time; after each round every rank's rows are gathered
    (gloo, on the CPU) and rank 0 stores each finished cell, so a killed sweep loses at
-   most the round in flight. A cell's seed is a hash of the run's seed and the cell's
-   parameters, so neither the rank that runs it nor the session changes its numbers;
+   most the round in flight. A data-parallel study (its ``data_parallel(config)`` True)
+   runs each cell on all ranks together instead (its own DDP inside the cell) and rank 0's
+   rows are stored. A cell's seed is a hash of the run's seed and the cell's parameters,
+   so neither the rank that runs it nor the session changes its numbers. A cell may keep
+   checkpoints in its scratch folder (``CellContext.scratch``): a resumed run finds them
+   there, and the folder is deleted once the cell is stored;
 4. (rank 0) assemble the metrics table from the stored cells in the sweep's order and write
    it, the figures, the report and the tables the report derives from the metrics
    (`rebuild_report` repeats only this step).
@@ -29,6 +33,7 @@ import datetime
 import hashlib
 import os
 import re
+import shutil
 import traceback
 from pathlib import Path
 
@@ -38,7 +43,14 @@ from tqdm import tqdm
 
 from fp4lab.backends import BACKENDS
 from fp4lab.config import from_fields, to_fields
-from fp4lab.studies.discovery import CellContext, Study, cell_key, cell_label, load_study
+from fp4lab.studies.discovery import (
+    SCRATCH,
+    CellContext,
+    Study,
+    cell_key,
+    cell_label,
+    load_study,
+)
 from fp4lab.studies.folder import (
     FIGURES,
     atomic_write,
@@ -157,7 +169,8 @@ def _check_backend(study: Study, backend: str) -> None:
 
 def _prepare(out, record: dict, cells: list[dict], resume: bool) -> tuple[str, list[int]]:
     """(rank 0) The folder, checked, and the indices of the cells still to run; nothing is
-    written until a cell has finished (`_Opener`)."""
+    written until a cell has finished (`_Opener`), except a running cell's scratch folder (a
+    run killed in its first cell leaves only that, which --resume continues)."""
     path = _default_out(record) if out is None else Path(out)
     config_path = path / "config.json"
     if config_path.exists():
@@ -165,8 +178,11 @@ def _prepare(out, record: dict, cells: list[dict], resume: bool) -> tuple[str, l
             raise ValueError(f"out: {path} holds a run already; pass --resume to finish it, or "
                              "choose another --out")
         _check_same_run(read_json(config_path), record, path)
-    elif path.exists() and any(path.iterdir()):
+    elif path.exists() and any(p.name != SCRATCH for p in path.iterdir()):
         raise ValueError(f"out: {path} exists and is not a study's results folder")
+    elif (path / SCRATCH).exists() and not resume:
+        raise ValueError(f"out: {path} holds the scratch files of a run killed in its first "
+                         "cell; pass --resume to continue it, or choose another --out")
     done = read_cells(path)
     for index, stored in done.items():
         if index >= len(cells) or stored["cell"] != cells[index]:
@@ -219,31 +235,44 @@ def _check_same_run(stored: dict, record: dict, path: Path) -> None:
 
 
 def _sweep(study, config, cells, pending, opener: _Opener, ranks, run, quiet) -> None:
-    """Run the pending cells, a round of one cell per rank at a time; rank 0 stores them."""
+    """Run the pending cells, a round of one cell per rank at a time (or, data-parallel, one
+    cell on all ranks); rank 0 stores them and deletes their scratch folders."""
     device, backend, seed = run
+    shared = study.data_parallel(config) and ranks.world > 1
+    per_round = 1 if shared else ranks.world
     bar = tqdm(
         total=len(cells), initial=len(cells) - len(pending), desc=study.name, unit="cell",
         disable=quiet or ranks.rank != 0, dynamic_ncols=True,
     )
     with bar:
-        for start in range(0, len(pending), ranks.world):
-            round_ = pending[start : start + ranks.world]
-            mine = round_[ranks.rank] if ranks.rank < len(round_) else None
+        for start in range(0, len(pending), per_round):
+            round_ = pending[start : start + per_round]
+            mine = round_[0] if shared else (
+                round_[ranks.rank] if ranks.rank < len(round_) else None)
             others = f" (+{len(round_) - 1} on other ranks)" if len(round_) > 1 else ""
             bar.set_postfix_str(f"{cell_label(cells[round_[0]])}{others}", refresh=True)
             result = None
             if mine is not None:
-                ctx = CellContext(device, backend, seed, cell_seed(seed, cells[mine]), mine)
+                ctx = CellContext(device, backend, seed, cell_seed(seed, cells[mine]), mine,
+                                  scratch=opener.path / SCRATCH / f"{mine:05d}",
+                                  rank=ranks.rank if shared else 0,
+                                  world_size=ranks.world if shared else 1)
                 result = _run_cell(study, config, cells[mine], ctx, ranks.world > 1)
             results = ranks.gather(result)
             stored = [r for r in results if r is not None and "tables" in r]
             if ranks.rank == 0 and stored:
-                opener.ensure()
-                for done in stored:
-                    write_cell(opener.path, done["index"], cells[done["index"]], done["seed"],
-                               done["tables"])
+                _store(opener, cells, stored[:1] if shared else stored)
             _raise_failures(results, result, ranks)
             bar.update(len(round_))
+
+
+def _store(opener: _Opener, cells: list[dict], done: list[dict]) -> None:
+    """(rank 0) Write the finished cells, then delete their scratch folders."""
+    opener.ensure()
+    for result in done:
+        index = result["index"]
+        write_cell(opener.path, index, cells[index], result["seed"], result["tables"])
+        shutil.rmtree(opener.path / SCRATCH / f"{index:05d}", ignore_errors=True)
 
 
 def _run_cell(study: Study, config, cell: dict, ctx: CellContext, catch: bool) -> dict:
@@ -293,6 +322,7 @@ def _finish(path: Path, study: Study, config, record: dict, cells: list[dict]) -
         for name in names
     }
     write_tables(path, tables)
+    shutil.rmtree(path / SCRATCH, ignore_errors=True)  # every cell is stored
     _write_report(path, study, config, record)
 
 
