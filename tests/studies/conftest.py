@@ -35,3 +35,18 @@ def p_operand_smoke(tmp_path_factory):
 @pytest.fixture(scope="session")
 def attention_gradients_smoke(tmp_path_factory):
     return _smoke(tmp_path_factory, "attention-gradients")
+
+
+@pytest.fixture(scope="session")
+def scale_range_smoke(tmp_path_factory):
+    return _smoke(tmp_path_factory, "scale-range")
+
+
+@pytest.fixture(scope="session")
+def causal_leakage_smoke(tmp_path_factory):
+    return _smoke(tmp_path_factory, "causal-leakage")
+
+
+@pytest.fixture(scope="session")
+def mxfp4_pv_mechanisms_smoke(tmp_path_factory):
+    return _smoke(tmp_path_factory, "mxfp4-pv-mechanisms")
