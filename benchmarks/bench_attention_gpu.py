@@ -34,12 +34,12 @@ from fp4lab.kernels.flash import PQuantizer, attention_forward
 from fp4lab.recipes import resolve_recipe
 
 SHAPE = dict(B=4, H=16, S=4096, D=128)
-CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 3)]
+CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3)]
 
 
 def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages):
     """A closure running the kernel on operands prepared once, as the backend prepares them."""
-    qs, ks, vs, factors = backend.prepare(q, k, v, recipe)
+    qs, ks, vs, factors = backend.prepare(q, k, v, recipe, block_n)
     pq = PQuantizer.of(recipe.p, recipe.p_lift)
     options = dict(
         causal=causal, scale=1 / math.sqrt(q.shape[-1]), block_m=block_m, block_n=block_n,
@@ -79,12 +79,32 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16() for _ in range(3))
     rows = []
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"forward, B{b} H{h} S{s} D{d} bf16; check = kernel vs simulation on B1 H2 S1024")
+    print(
+        f"{'recipe':30s} {'causal':6s} {'tiles':16s} {'ms':>8s} {'TFLOP/s':>8s} "
+        f"{'x SDPA':>7s} {'check':>8s}"
+    )
+
+    def emit(row: dict) -> None:  # printed and stored as it comes: a killed run keeps its rows
+        rows.append(row)
+        print(
+            f"{row['recipe']:30s} {str(row['causal']):6s} {row['tiles']:16s} {row['ms']:8.3f} "
+            f"{row['tflops']:8.1f} {row['x_sdpa']:7.3f} {row['check']:8.1e} "
+            f"{row.get('error', '')}",
+            flush=True,
+        )
+        with open(os.path.join(args.out, "bench_attention_gpu.json"), "w") as f:
+            json.dump(
+                {"shape": SHAPE, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1
+            )
+
     for causal in (False, True):
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
         sdpa_ms = triton.testing.do_bench(
             lambda causal=causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         )
-        rows.append(
+        emit(
             {
                 "recipe": "sdpa (bf16, default backend)",
                 "causal": causal,
@@ -105,7 +125,7 @@ def main() -> None:
                     assert torch.isfinite(out.float()).all(), "non-finite output"
                     ms = triton.testing.do_bench(fn)
                 except Exception as err:  # a configuration that does not compile or fit
-                    rows.append(
+                    emit(
                         {
                             "recipe": name,
                             "causal": causal,
@@ -118,7 +138,7 @@ def main() -> None:
                         }
                     )
                     continue
-                rows.append(
+                emit(
                     {
                         "recipe": name,
                         "causal": causal,
@@ -134,7 +154,7 @@ def main() -> None:
             ms = triton.testing.do_bench(
                 lambda r=recipe, c=causal: fp4lab.attention(q, k, v, r, causal=c, backend="triton")
             )
-            rows.append(
+            emit(
                 {
                     "recipe": name,
                     "causal": causal,
@@ -145,21 +165,6 @@ def main() -> None:
                     "check": float("nan"),
                 }
             )
-    with open(os.path.join(args.out, "bench_attention_gpu.json"), "w") as f:
-        json.dump(
-            {"shape": SHAPE, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1
-        )
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"forward, B{b} H{h} S{s} D{d} bf16; check = kernel vs simulation on B1 H2 S1024")
-    print(
-        f"{'recipe':30s} {'causal':6s} {'tiles':16s} {'ms':>8s} {'TFLOP/s':>8s} "
-        f"{'x SDPA':>7s} {'check':>8s}"
-    )
-    for r in rows:
-        print(
-            f"{r['recipe']:30s} {str(r['causal']):6s} {r['tiles']:16s} {r['ms']:8.3f} "
-            f"{r['tflops']:8.1f} {r['x_sdpa']:7.3f} {r['check']:8.1e} {r.get('error', '')}"
-        )
 
 
 def reference_on_cuda() -> None:

@@ -136,9 +136,13 @@ def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int):
     return store.contiguous(), factor
 
 
-def _fp8_pv(recipe: AttentionRecipe) -> bool:
+def _fp8_pv(recipe: AttentionRecipe, block_n: int | None = None) -> bool:
     """Whether P V runs on the FP8 tensor cores: P cast to E4M3 and V's values E4M3 codes
-    (an E4M3 cast, or E4M3 with one FP32 or fixed scale per tensor), on a GPU."""
+    (an E4M3 cast, or E4M3 with one FP32 or fixed scale per tensor), on a GPU, with key tiles
+    of at least 32 (an FP8 matrix instruction's depth; narrower tiles take the bf16 tensor
+    cores, which hold E4M3 values exactly)."""
+    if block_n is not None and block_n < 32:
+        return False
     v = recipe.v
     e4m3_v = v == FP8_E4M3FN or (
         isinstance(v, QuantSpec) and v.element == FP8_E4M3FN and v.block is None and v.scale == FP32
@@ -159,9 +163,10 @@ def _per_head(scale: torch.Tensor, b: int, h: int, groups: int) -> torch.Tensor:
     return scale.reshape(b, h // groups).float().repeat_interleave(groups, dim=1)
 
 
-def prepare(q, k, v, recipe: AttentionRecipe):
+def prepare(q, k, v, recipe: AttentionRecipe, block_n: int):
     """(q, k, v, factors) as the kernel reads them: K smoothed as the recipe says, each
-    operand quantized (`_operand`), V key-major E4M3 where P V runs on the FP8 tensor cores."""
+    operand quantized (`_operand`), V key-major E4M3 where P V runs on the FP8 tensor cores
+    (with key tiles of `block_n`)."""
     g = q.shape[1] // k.shape[1]
     if recipe.smooth_k is SmoothK.PER_HEAD:
         k = k - k.mean(dim=-2, keepdim=True)
@@ -172,7 +177,7 @@ def prepare(q, k, v, recipe: AttentionRecipe):
         _operand(k, recipe, "k", 1),
         _operand(v, recipe, "v", 1),
     )
-    if _fp8_pv(recipe):
+    if _fp8_pv(recipe, block_n):
         vs = _key_major_fp8(vs)
     return qs, ks, vs, (qf, kf, vf)
 
@@ -214,7 +219,7 @@ class _TritonAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, recipe, causal, scale, block_m, block_n):
         from fp4lab.kernels.flash import attention_forward
 
-        qs, ks, vs, factors = prepare(q, k, v, recipe)
+        qs, ks, vs, factors = prepare(q, k, v, recipe, block_n)
         o, _ = attention_forward(
             qs, ks, vs, factors, p_quantizer(recipe), causal=causal,
             scale=scale, block_m=block_m, block_n=block_n, **forward_options(recipe, causal, v),

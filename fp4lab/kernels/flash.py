@@ -432,8 +432,8 @@ def _direct_p(
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
-    stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, lo, hi, step,
-    MASKED: tl.constexpr, LEAK: tl.constexpr,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, first, count,
+    MASKED: tl.constexpr, LEAK: tl.constexpr, REVERSE: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FIXED: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
     ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr,
@@ -443,15 +443,19 @@ def _fwd_inner(
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr,
 ):
-    """The key tiles starting at lo, lo + step, ... (before hi) of one query tile. MASKED
+    """`count` key tiles of one query tile from key tile `first`, up (or down, REVERSE): the
+    loop runs over a counter, since a loop's step must be positive on the GPU. MASKED
     tiles may hold keys past Sk, query rows past Sq or (causal) keys after a query; the others
     hold none, and skip the masks. LEAK > 0 (the leakage fix, causal, masked tiles only):
     where query and key share a block of LEAK positions, P and V enter unquantized (V from
     vp_base, its product divided by V's factor, which the output takes at the end)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
-    for start in range(lo, hi, step):
-        start_n = tl.multiple_of(start, BLOCK_N)
+    for t in range(0, count):
+        if REVERSE:
+            start_n = tl.multiple_of((first - t) * BLOCK_N, BLOCK_N)
+        else:
+            start_n = tl.multiple_of((first + t) * BLOCK_N, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
         if MASKED:
@@ -608,25 +612,24 @@ def _attn_fwd(
         n_free = tl.minimum(n_free, (m0 + 1) // BLOCK_N)  # wholly at or before row m0
     if m0 + BLOCK_M > Sq:  # a partial query tile: every tile masked
         n_free = 0
-    free_end, last = n_free * BLOCK_N, n_tiles * BLOCK_N
-    # the two ranges in visiting order: last to first, the masked tiles come first
+    # the two ranges in visiting order (first tile, count): last to first, the masked first
     if REVERSE:
-        lo1, hi1, lo2, hi2, step = last - BLOCK_N, free_end - 1, free_end - BLOCK_N, -1, -BLOCK_N
+        first1, count1, first2, count2 = n_tiles - 1, n_tiles - n_free, n_free - 1, n_free
     else:
-        lo1, hi1, lo2, hi2, step = 0, free_end, free_end, last, BLOCK_N
+        first1, count1, first2, count2 = 0, n_free, n_free, n_tiles - n_free
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, lo1, hi1, step,
-        REVERSE, LEAK, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2,
-        ROW_SUM_Q, PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX,
-        E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, first1, count1,
+        REVERSE, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY,
+        LAZY_LOG2, ROW_SUM_Q, PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
+        S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, lo2, hi2, step,
-        not REVERSE, LEAK, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2,
-        ROW_SUM_Q, PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX,
-        E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, first2, count2,
+        not REVERSE, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY,
+        LAZY_LOG2, ROW_SUM_Q, PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
+        S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
     )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
