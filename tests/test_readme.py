@@ -1,7 +1,11 @@
 """The README's promises: its commands are what CI runs, and its tour runs as written."""
 
 import re
+import shlex
+import time
 from pathlib import Path
+
+import torch
 
 import fp4lab.formats as F
 
@@ -39,3 +43,27 @@ def test_the_recipes_table_is_the_registry_s():
 
     table = to_markdown(recipes_frame(products=False)[["name", "summary", "mask"]])
     assert table in README, "regenerate the README's recipes table from recipes_frame"
+
+
+def test_the_main_command_prints_the_ranking_in_under_a_minute(tmp_path, monkeypatch, capsys):
+    """The set-up line ends in the command a newcomer runs first: the smoke preset of
+    mxfp4-pv-mechanisms, printing its ranking and writing its results folder."""
+    from fp4lab.cli import main
+
+    line = code_blocks("bash")[0].strip().splitlines()[0]
+    argv = shlex.split(line.split("&& .venv/bin/fp4lab ")[-1])
+    assert argv == ["study", "run", "mxfp4-pv-mechanisms"]
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the shared 2-core machine's fair share
+    try:
+        start = time.monotonic()
+        assert main([*argv, "--quiet"]) == 0
+        seconds = time.monotonic() - start
+    finally:
+        torch.set_num_threads(threads)
+    printed = capsys.readouterr().out
+    assert "| rank | mechanism |" in printed and "Named for the training study" in printed
+    (folder,) = (tmp_path / "results").glob("mxfp4-pv-mechanisms-smoke-*")
+    assert (folder / "ranking.csv").is_file() and (folder / "report.md").is_file()
+    assert seconds < 60, f"the main command took {seconds:.0f} s"
