@@ -1,0 +1,130 @@
+"""The arms of the study: an attention recipe plus the few training choices a cause or a fix
+needs (E4M3 QKV projections, gradient clipping).
+
+The three published routes are presets of `fp4lab.recipes`; every variant changes one thing
+of one of them with `dataclasses.replace`, using named block formats of `fp4lab.formats`, so
+that a difference between two arms' curves has one candidate explanation. `CAUSES` pairs each
+candidate cause of the MXFP4 P/V divergence with the arm that tests it and the arm it is
+compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fp4lab.formats import (
+    FP8_E4M3_TENSOR,
+    FP8_E4M3_X4,
+    MXFP4_ALPHA_MSE,
+    MXFP4_RCEIL,
+    NVFP4,
+    NVFP4_UE5M3,
+    Rounding,
+)
+from fp4lab.recipes import (
+    EXACT,
+    FA4FP4_CAUSAL,
+    FA4FP4_CAUSAL_MXFP4PV,
+    FA4FP4_CAUSAL_MXFP4PV_D64,
+    FA4FP4_CAUSAL_MXFP4PV_FIXED,
+    FLASH_BF16,
+    AttentionRecipe,
+    BackwardV,
+    RowSum,
+)
+
+__all__ = ["Arm", "ARMS", "CAUSES", "Cause", "REFERENCE_ARM"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One training configuration.
+
+    Attributes:
+        recipe: the attention recipe (None: torch's SDPA, the speed baseline).
+        what: what it is, in a phrase.
+        qkv_format: a block format on the QKV projection's input and weight, or None.
+        grad_clip: the gradient norm clipped to, or None (the default: divergence visible).
+    """
+
+    recipe: AttentionRecipe | None
+    what: str
+    qkv_format: str | None = None
+    grad_clip: float | None = None
+
+
+def _variant(base: AttentionRecipe, name: str, **changes) -> AttentionRecipe:
+    return dataclasses.replace(base, name=name, source=f"studies/pv_divergence.py: {base.name} "
+                               f"with {', '.join(changes)} changed", **changes)
+
+
+MXFP4_ALPHA_MSE_SR = dataclasses.replace(
+    MXFP4_ALPHA_MSE, name="mxfp4_alpha_mse_sr", rounding=Rounding.STOCHASTIC)
+_MX = FA4FP4_CAUSAL_MXFP4PV
+
+ARMS: dict[str, Arm] = {
+    "exact": Arm(EXACT, "no quantization (float32 attention)"),
+    "bf16": Arm(FLASH_BF16, "BF16 operands, float32 accumulation: the reference"),
+    "sdpa": Arm(None, "torch's scaled_dot_product_attention (the speed baseline)"),
+    "fp8pv": Arm(FA4FP4_CAUSAL, "NVFP4 Q/K, FP8 P/V: the published stable route (v509)"),
+    "mxfp4pv": Arm(_MX, "NVFP4 Q/K, MXFP4 P/V: the published diverging route (D128)"),
+    "mxfp4pv_d64": Arm(FA4FP4_CAUSAL_MXFP4PV_D64,
+                       "the MXFP4 P/V route as the published 1.2B (head_dim 64) runs had it"),
+    "mxfp4_p_only": Arm(
+        _variant(_MX, "mxfp4pv_p_only", v=FP8_E4M3_X4, backward_v=BackwardV.INPUT),
+        "MXFP4 (Direct-P) P, FP8 V as the FP8 route's"),
+    "mxfp4_v_only": Arm(
+        _variant(FA4FP4_CAUSAL, "fp8pv_mxfp4_v", v=MXFP4_ALPHA_MSE,
+                 backward_v=BackwardV.FORWARD),
+        "FP8 P as the FP8 route's, MXFP4 V (and the backward's V from it)"),
+    "mxfp4pv_rceil_v": Arm(_variant(_MX, "mxfp4pv_rceil_v", v=MXFP4_RCEIL),
+                           "MXFP4 P/V with V's scale rounded up (rceil: its block max never "
+                           "clips)"),
+    "mxfp4pv_sr_v": Arm(_variant(_MX, "mxfp4pv_sr_v", v=MXFP4_ALPHA_MSE_SR),
+                        "MXFP4 P/V with V's elements rounded stochastically"),
+    "mxfp4pv_no_rowcorr": Arm(_variant(_MX, "mxfp4pv_no_rowcorr", row_sum=RowSum.UNQUANTIZED_P),
+                              "MXFP4 P/V with the denominator from the unquantized P (no row "
+                              "correction)"),
+    "nvfp4pv": Arm(_variant(FA4FP4_CAUSAL, "fp8pv_nvfp4pv", p=NVFP4, v=NVFP4),
+                   "NVFP4 P/V (E4M3 scales per 16, FP32 tensor scale) on the FP8 route"),
+    "ue5m3pv": Arm(_variant(FA4FP4_CAUSAL, "fp8pv_ue5m3pv", p=NVFP4_UE5M3, v=NVFP4_UE5M3),
+                   "E2M1 P/V with UE5M3 scales per 16 on the FP8 route"),
+    "mxfp4pv_leakfix": Arm(FA4FP4_CAUSAL_MXFP4PV_FIXED,
+                           "MXFP4 P/V with MatX's future-leakage fix on the diagonal blocks"),
+    "mxfp4pv_e4m3qkv": Arm(_MX, "MXFP4 P/V with E4M3 QKV projections (as the published runs)",
+                           qkv_format=FP8_E4M3_TENSOR.name),
+    "fp8pv_e4m3qkv": Arm(FA4FP4_CAUSAL, "FP8 P/V with E4M3 QKV projections (as the published "
+                         "runs)", qkv_format=FP8_E4M3_TENSOR.name),
+    "mxfp4pv_clip": Arm(_MX, "MXFP4 P/V with the gradient norm clipped to 1", grad_clip=1.0),
+}
+REFERENCE_ARM = "bf16"
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A candidate cause (or fix) of the divergence, the arm that tests it and its baseline:
+    `kind` "cause": the arm adds the suspect to a stable baseline (it should diverge if the
+    suspect is the cause); "fix": the arm removes or repairs it in the diverging route (it
+    should not diverge if the fix works)."""
+
+    name: str
+    arm: str
+    baseline: str
+    kind: str
+
+
+CAUSES = (
+    Cause("MXFP4 P (Direct-P codes, E8M0 scales)", "mxfp4_p_only", "fp8pv", "cause"),
+    Cause("MXFP4 V (1 x 32 blocks along the sequence)", "mxfp4_v_only", "fp8pv", "cause"),
+    Cause("V's block maximum clipped by the 1.203125 rule", "mxfp4pv_rceil_v", "mxfp4pv", "fix"),
+    Cause("biased (nearest) rounding of V", "mxfp4pv_sr_v", "mxfp4pv", "fix"),
+    Cause("the row-corrected denominator", "mxfp4pv_no_rowcorr", "mxfp4pv", "fix"),
+    Cause("4-bit P/V at all (NVFP4, finer scales)", "nvfp4pv", "fp8pv", "cause"),
+    Cause("the scale format's range (UE5M3)", "ue5m3pv", "fp8pv", "cause"),
+    Cause("future leakage through V's sequence blocks", "mxfp4pv_leakfix", "mxfp4pv", "fix"),
+    Cause("E4M3 QKV projections", "mxfp4pv_e4m3qkv", "mxfp4pv", "cause"),
+    Cause("unclipped gradient spikes", "mxfp4pv_clip", "mxfp4pv", "fix"),
+    Cause("the D128 route's softmax (anchor) versus the D64 one (shiftless)", "mxfp4pv_d64",
+          "mxfp4pv", "cause"),
+)

@@ -1,0 +1,126 @@
+"""What the study measures every few steps, on a copy of the model (never the one training):
+
+- validation loss with the training recipe;
+- one traced forward and backward of a probe batch: `fp4lab.Trace`'s statistics of P and V
+  (flushed fraction and lost mass of P, clipped fraction and scale under/overflow of V, the
+  operands' errors, the softmax denominator's error) per layer; each layer's attention
+  entropy and largest logit from its q and k; and each layer's gradient error against exact
+  attention on the same activations (`fp4lab.compare` on the layer's q, k, v and the dO that
+  reached it);
+- future leakage: one probe sequence with the token at position j replaced, the largest
+  change of the logits at positions i < j (exactly 0 for causal attention without blocks
+  that span positions) and its size relative to the change at i >= j.
+
+Everything is returned as rows (dicts of numbers), nothing is printed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+import fp4lab
+
+from .gpt import GPT, AttentionCall, Capture
+
+__all__ = ["validation_loss", "traced_step", "leakage", "TRACE_COLUMNS"]
+
+# (product, trace column) -> the probe's name for it
+TRACE_COLUMNS = {
+    ("pv", "a_flushed"): "p_flushed",
+    ("pv", "p_mass_lost"): "p_mass_lost",
+    ("pv", "a_err"): "p_err",
+    ("pv", "a_scale_underflow"): "p_scale_underflow",
+    ("pv", "b_err"): "v_err",
+    ("pv", "b_clipped"): "v_clipped",
+    ("pv", "b_scale_underflow"): "v_scale_underflow",
+    ("pv", "b_scale_overflow"): "v_scale_overflow",
+    ("out", "row_sum_err"): "row_sum_err",
+    ("out", "out_err"): "out_err",
+    ("dv", "p_fwd_mismatch"): "p_fwd_mismatch",
+    ("dv", "b_flushed"): "do_flushed",
+}
+
+
+def loss_of(model: GPT, x, y, call: AttentionCall) -> torch.Tensor:
+    """Mean cross entropy of the targets that count (y >= 0), in float32."""
+    logits = model(x, call)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)
+
+
+@torch.no_grad()
+def validation_loss(model: GPT, batches, call: AttentionCall, autocast) -> float:
+    """The mean loss over the validation batches."""
+    with autocast():
+        losses = [float(loss_of(model, x, y, call)) for x, y in batches]
+    return sum(losses) / len(losses)
+
+
+def traced_step(model: GPT, x, y, call: AttentionCall, autocast) -> list[dict]:
+    """One traced forward and backward of (x, y): a row per layer (see the module)."""
+    model.capture, trace = Capture(), fp4lab.Trace()
+    traced = AttentionCall(call.recipe, call.backend, call.block, call.seed,
+                           trace if call.recipe is not None else None)
+    with autocast():
+        loss = loss_of(model, x, y, traced)
+    loss.backward()
+    capture, model.capture = model.capture, None
+    model.zero_grad(set_to_none=True)
+    frame = trace.to_frame()
+    rows = []
+    for layer in range(len(capture.q)):
+        q, k, v = (t[layer].float() for t in (capture.q, capture.k, capture.v))
+        row = {"layer": layer, **_scores(q, k)}
+        row |= _trace_row(frame[frame["call"] == layer])
+        if call.recipe is not None and layer in capture.do:
+            row |= _gradient_error(q, k, v, capture.do[layer].float(), call, layer)
+        rows.append(row)
+    return rows
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """Entropy (nats, mean over rows) and the largest logit of causal softmax(q k^T / sqrt d)."""
+    t, d = q.shape[-2], q.shape[-1]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(d)  # (B, H, T, T)
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    s = s.masked_fill(future, float("-inf"))
+    p = s.softmax(-1)
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
+    return {"entropy": float(entropy.mean()), "max_logit": float(s.amax())}
+
+
+def _trace_row(frame) -> dict:
+    row = {}
+    for (product, column), name in TRACE_COLUMNS.items():
+        values = frame.loc[frame["product"] == product, column]
+        row[name] = float(values.mean()) if values.notna().any() else float("nan")
+    return row
+
+
+def _gradient_error(q, k, v, do, call: AttentionCall, layer: int) -> dict:
+    """Relative L2 error of the layer's O, dQ, dK, dV under the recipe against exact float64
+    attention on the same q, k, v, dO (the reference path's simulation of the recipe)."""
+    seed = None if call.seed is None else (call.seed * 1_000_003 + layer) % 2**62
+    found = fp4lab.compare(q, k, v, do, call.recipe, causal=True, generator=seed, trace=False,
+                           block_m=call.block, block_n=call.block)
+    errors = found.errors.set_index("tensor")["rel_l2"]
+    return {f"{t}_err_vs_exact": float(errors[t]) for t in ("o", "dq", "dk", "dv")}
+
+
+@torch.no_grad()
+def leakage(model: GPT, x: torch.Tensor, position: int, vocab: int, call: AttentionCall,
+            autocast) -> dict:
+    """Logit changes when token `position` of the sequences x (B, T) is replaced."""
+    changed = x.clone()
+    changed[:, position] = (changed[:, position] + 1) % vocab
+    with autocast():
+        before, after = model(x, call).float(), model(changed, call).float()
+    delta = (after - before).abs()  # (B, T, vocab)
+    past, rest = delta[:, :position], delta[:, position:]
+    return {
+        "leak_position": position,
+        "leak_max_abs": float(past.max()),
+        "leak_rel": float(past.norm() / rest.norm().clamp_min(1e-30)),
+    }

@@ -1,0 +1,332 @@
+"""One training run: AdamW with warm-up and cosine decay, probes every few steps,
+checkpoints that a killed run resumes from with the same curve, DDP when several ranks share
+the run.
+
+Determinism. A run's numbers are functions of its `RunSpec` alone: the model's initial
+weights come from `init_seed`, the batch of step s from (`data_seed`, s) (`corpora`), the
+stochastic rounding of step s from (`sr_seed`, s, layer); nothing reads torch's global
+random state after initialisation. A checkpoint (every `checkpoint_every` steps, in the
+cell's scratch folder) holds the model, the optimizer, the step, the rows logged so far and
+torch's random states; resuming from it repeats the uninterrupted run bit for bit on the same
+device. Under DDP the global batch is drawn once and rank r takes rows r*b..(r+1)*b of it, so
+the same global batch gives the same losses as one process up to the rounding of the
+gradient all-reduce.
+
+The run stops early, marked diverged, at the first non-finite training loss (an optimizer
+step on NaN gradients would only carry NaN on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from . import probes
+from .arms import ARMS
+from .corpora import RecallTask, stream_seed, text_corpus
+from .gpt import GPT, AttentionCall, GPTConfig
+
+__all__ = ["RunSpec", "train", "after_step"]
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything one run depends on (the study builds it from its config and the cell)."""
+
+    model: GPTConfig
+    task: str  # "text" or "recall"
+    arm: str  # a key of arms.ARMS
+    steps: int
+    batch: int  # global batch (sequences per step, over all ranks)
+    lr: float
+    min_lr_ratio: float  # the cosine decays to lr * this
+    warmup: int  # linear warm-up steps
+    weight_decay: float
+    beta2: float
+    eval_every: int
+    val_batches: int
+    probe_rows: int  # sequences of the traced probe batch
+    checkpoint_every: int
+    corpus_bytes: int
+    val_fraction: float
+    recall_pairs: int
+    block: int  # attention tiles
+    init_seed: int
+    data_seed: int
+    sr_seed: int
+
+
+def after_step(step: int) -> None:
+    """Called after each step's bookkeeping (the tests replace it to interrupt a run)."""
+
+
+def learning_rate(spec: RunSpec, step: int) -> float:
+    """Linear warm-up to lr over `warmup` steps, then cosine decay to lr * min_lr_ratio."""
+    if step < spec.warmup:
+        return spec.lr * (step + 1) / spec.warmup
+    progress = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
+    floor = spec.lr * spec.min_lr_ratio
+    return floor + 0.5 * (spec.lr - floor) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def task_of(spec: RunSpec):
+    if spec.task == "text":
+        return text_corpus(spec.corpus_bytes, spec.val_fraction)
+    return RecallTask(pairs=spec.recall_pairs)
+
+
+def build(spec: RunSpec, device: str) -> tuple[GPT, torch.optim.Optimizer]:
+    """The model (initialised from init_seed) and AdamW (decay on matrices only)."""
+    arm = ARMS[spec.arm]
+    config = GPTConfig(**{**asdict(spec.model), "qkv_format": arm.qkv_format})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.init_seed)
+        model = GPT(config)
+    model.to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": spec.weight_decay},
+              {"params": other, "weight_decay": 0.0}]
+    return model, torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, spec.beta2),
+                                    foreach=False)
+
+
+@dataclass
+class Ranks:
+    """The ranks sharing this run (rank, world size, the process group DDP reduces over)."""
+
+    rank: int = 0
+    world: int = 1
+    group: object = None
+
+    def mean(self, value: float) -> float:
+        """The mean of `value` over the ranks (over the framework's gloo group)."""
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t) / self.world
+
+
+_NCCL_GROUP = None
+
+
+def ranks_for(rank: int, world: int, device: str) -> Ranks:
+    """Ranks over the framework's gloo group on the CPU, over an NCCL group on GPUs."""
+    global _NCCL_GROUP
+    if world == 1:
+        return Ranks()
+    if device.startswith("cuda") and _NCCL_GROUP is None:
+        _NCCL_GROUP = dist.new_group(backend="nccl")
+    return Ranks(rank, world, _NCCL_GROUP if device.startswith("cuda") else None)
+
+
+class Checkpoints:
+    """Rank 0 writes `CHECKPOINT` atomically into the cell's scratch folder; every rank reads
+    it back. A checkpoint of another run (its spec or world size differ) is refused."""
+
+    def __init__(self, folder: Path | None, spec: RunSpec, ranks: Ranks) -> None:
+        self.path = None if folder is None else Path(folder) / CHECKPOINT
+        self.key = {"spec": repr(spec), "world": ranks.world}
+        self.rank = ranks.rank
+
+    def load(self, device: str) -> dict | None:
+        if self.path is None or not self.path.exists():
+            return None
+        state = torch.load(self.path, map_location=device, weights_only=True)
+        if state["key"] != self.key:
+            raise ValueError(f"--resume: {self.path} is the checkpoint of another run "
+                             f"({state['key']}), not of {self.key}")
+        return state
+
+    def save(self, state: dict) -> None:
+        if self.path is None or self.rank != 0:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{CHECKPOINT}.{os.getpid()}.tmp")
+        torch.save({**state, "key": self.key}, tmp)
+        os.replace(tmp, self.path)
+
+
+def _autocast(device: str):
+    if device.startswith("cuda"):
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def _random_states(device: str) -> dict:
+    states = {"cpu": torch.get_rng_state()}
+    if device.startswith("cuda"):
+        states["cuda"] = torch.cuda.get_rng_state(torch.device(device))
+    return states
+
+
+def _set_random_states(states: dict, device: str) -> None:
+    torch.set_rng_state(states["cpu"].cpu())
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"].cpu(), torch.device(device))
+
+
+class Run:
+    """A run in progress: its model, optimizer, data, probes and logged rows."""
+
+    def __init__(self, spec: RunSpec, device: str, backend: str, ranks: Ranks,
+                 scratch: Path | None) -> None:
+        self.spec, self.device, self.backend, self.ranks = spec, device, backend, ranks
+        self.arm = ARMS[spec.arm]
+        self.task = task_of(spec)
+        self.autocast = _autocast(device)
+        self.model, self.optimizer = build(spec, device)
+        self.probe_model, _ = build(spec, device)  # probes never touch the training model
+        self.trained = self.model
+        if ranks.world > 1:
+            self.trained = DistributedDataParallel(
+                self.model, device_ids=[torch.device(device)] if device.startswith("cuda")
+                else None, process_group=ranks.group)
+        self.checkpoints = Checkpoints(scratch, spec, ranks)
+        self.rows = {"metrics": [], "evals": [], "layers": []}
+        self.step, self.train_seconds, self.nonfinite_step = 0, 0.0, None
+        self.val = [self.batch("val", i) for i in range(spec.val_batches)]
+
+    def batch(self, split: str, step: int, local: bool = False):
+        spec = self.spec
+        x, y = self.task.batch(split, spec.data_seed, step, spec.batch, spec.model.seq_len)
+        if local:
+            share = spec.batch // self.ranks.world
+            x = x[self.ranks.rank * share : (self.ranks.rank + 1) * share]
+            y = y[self.ranks.rank * share : (self.ranks.rank + 1) * share]
+        return x.to(self.device), y.to(self.device)
+
+    def call(self, step: int, trace=None) -> AttentionCall:
+        recipe = self.arm.recipe
+        seed = None
+        if recipe is not None and recipe.stochastic:
+            seed = stream_seed(self.spec.sr_seed, "sr", step)
+        return AttentionCall(recipe, self.backend, self.spec.block, seed, trace)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def resume(self) -> bool:
+        state = self.checkpoints.load(self.device)
+        if state is None:
+            return False
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.rows = state["step"], state["rows"]
+        self.train_seconds, self.nonfinite_step = state["train_seconds"], state["nonfinite"]
+        _set_random_states(state["random"], self.device)
+        return True
+
+    def save(self) -> None:
+        self.checkpoints.save({
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "step": self.step, "rows": self.rows, "train_seconds": self.train_seconds,
+            "nonfinite": self.nonfinite_step, "random": _random_states(self.device),
+        })
+
+    # -- one step ---------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """One optimizer step; the row of per-step numbers."""
+        spec, step = self.spec, self.step
+        lr = learning_rate(spec, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        start = time.perf_counter()
+        x, y = self.batch("train", step, local=True)
+        with self.autocast():
+            logits = self.trained(x, self.call(step))
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)
+        loss.backward()
+        norms = self._grad_norms()
+        if self.arm.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.arm.grad_clip)
+        value = self.ranks.mean(float(loss.detach()))
+        if math.isfinite(value):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - start
+        self.train_seconds += seconds
+        tokens = (step + 1) * spec.batch * spec.model.seq_len
+        return {"step": step, "tokens": tokens, "lr": lr, "loss": value, **norms,
+                "step_seconds": seconds}
+
+    def _grad_norms(self) -> dict:
+        """The total gradient norm and each attention layer's (before any clipping)."""
+        total = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in self.model.parameters()
+                               if p.grad is not None))
+        row = {"grad_norm": float(total)}
+        for layer in range(self.spec.model.n_layer):
+            grads = [p.grad for p in self.model.attention_parameters(layer)]
+            row[f"attn_grad_norm_{layer}"] = float(torch.sqrt(sum(
+                g.double().pow(2).sum() for g in grads)))
+        return row
+
+    # -- probes -----------------------------------------------------------------------------
+    def probe(self) -> None:
+        """(rank 0) The validation loss, the traced step's rows per layer and the leakage."""
+        if self.ranks.rank != 0:
+            return
+        spec, model = self.spec, self.probe_model
+        model.load_state_dict(self.model.state_dict())
+        call = self.call(-1)  # the probes' own stochastic-rounding draws
+        head = {"step": self.step - 1, "tokens": self.step * spec.batch * spec.model.seq_len}
+        val = probes.validation_loss(model, self.val, call, self.autocast)
+        x, y = (t[: spec.probe_rows] for t in self.val[0])
+        leak = probes.leakage(model, x, spec.model.seq_len // 2 + 16 if spec.model.seq_len
+                              >= 64 else spec.model.seq_len // 2, model.config.vocab_size,
+                              call, self.autocast)
+        self.rows["evals"].append({**head, "val_loss": val, **leak})
+        for row in probes.traced_step(model, x, y, call, self.autocast):
+            self.rows["layers"].append({**head, **row})
+
+    def finish(self) -> dict:
+        """(rank 0) The final validation loss with the training recipe and with exact
+        attention on the same weights, and the run's totals."""
+        spec, model = self.spec, self.probe_model
+        model.load_state_dict(self.model.state_dict())
+        exact = AttentionCall(ARMS["exact"].recipe, "reference", spec.block)
+        trained = probes.validation_loss(model, self.val, self.call(-1), self.autocast)
+        tokens = self.step * spec.batch * spec.model.seq_len
+        return {
+            "steps_done": self.step, "tokens": tokens, "val_loss": trained,
+            "val_loss_exact_attention": probes.validation_loss(model, self.val, exact,
+                                                               self.autocast),
+            "nonfinite_step": self.nonfinite_step, "train_seconds": self.train_seconds,
+            "tokens_per_second": tokens / self.train_seconds if self.train_seconds else None,
+        }
+
+
+def train(spec: RunSpec, device: str, backend: str, rank: int = 0, world: int = 1,
+          scratch: Path | None = None) -> dict[str, list[dict]]:
+    """Run (or resume from `scratch`) the training `spec` describes; its tables of rows:
+    ``metrics`` per step, ``evals`` per probe, ``layers`` per probe and layer, ``runs`` one
+    row of totals (the other ranks return empty tables)."""
+    if spec.batch % world:
+        raise ValueError(f"batch ({spec.batch}) must be a multiple of the ranks ({world})")
+    run = Run(spec, device, backend, ranks_for(rank, world, device), scratch)
+    if not run.resume():
+        run.probe()  # the initial model, before any step
+    while run.step < spec.steps and run.nonfinite_step is None:
+        row = run.train_step()
+        run.rows["metrics"].append(row)
+        run.step += 1
+        if not math.isfinite(row["loss"]):
+            run.nonfinite_step = row["step"]
+        elif run.step % spec.eval_every == 0 or run.step == spec.steps:
+            run.probe()
+        if run.step % spec.checkpoint_every == 0 or run.nonfinite_step is not None:
+            run.save()
+        after_step(run.step)
+    if rank != 0:
+        return {"metrics": [], "evals": [], "layers": [], "runs": []}
+    return {**run.rows, "runs": [run.finish()]}

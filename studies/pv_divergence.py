@@ -1,0 +1,227 @@
+"""pv-divergence: train a small GPT with each P/V recipe, reproduce (or not) the MXFP4 P/V
+divergence, and test what causes it and what fixes it.
+
+What. "Hardware-Aware FP4 FlashAttention-4" (MrHuff/fp4-fa4) reports that every training run
+with MXFP4 probabilities and values diverged, losses splitting from FP8 P/V and gradient norms
+exploding, and lists the cause as unresolved. This study trains a nanoGPT-style model
+(`_pv_divergence.gpt`: rotary positions, attention through `fp4lab.attention`, everything
+else bf16 on a GPU and float32 on the CPU, so the recipe is the only quantization) on two
+tasks built from the Python installation alone (`_pv_divergence.corpora`: byte-level text of
+``pydoc_data.topics`` and the standard library's sources, hashed; multi-query associative
+recall), once per arm and seed, with the same initial weights and the same data order for
+every arm of a seed. The arms (`_pv_divergence.arms`) are the bf16 reference, the published
+FP8 P/V route (``fa4fp4_causal``), the published MXFP4 P/V routes (``fa4fp4_causal_mxfp4pv``,
+and ``_d64`` as the 1.2B records ran it), and variants that change one thing each to isolate
+a cause or test a fix: MXFP4 on P only and on V only, V's scale rounded up (rceil),
+stochastic rounding of V, no row correction, NVFP4 and UE5M3-scaled P/V, MatX's leakage
+fix, E4M3 QKV projections as the published runs had them, gradient clipping.
+
+The divergence rule, fixed before any run and computed by the code (`_pv_divergence.report`):
+a run diverges at its first non-finite training loss, or at the first step where the mean,
+over the last `divergence_window` steps, of its training loss minus the bf16 run's loss on
+the same batch (same seed, same task) has exceeded `divergence_margin` for
+`divergence_patience` consecutive steps. These are the published 1.2B runs' own drift gate
+(window 32, failure threshold 0.15, patience 3; MrHuff/fp4-fa4
+``results/causal_isolated_matrix_20260820/training/dolmino_dclm_a319_v3_pre2k_drift_gate_
+audit_20260820.json``), so the two are comparable. A run that never meets the rule is "did not
+diverge", and the report says how far it went.
+
+What is logged (`_pv_divergence.training`, `_pv_divergence.probes`): per step the training
+loss, the gradient norm (total and per attention layer) and the learning rate; every
+`eval_every` steps the validation loss, each layer's attention entropy and largest logit, the
+trace statistics of P and V from a traced step (`fp4lab.Trace`), each layer's gradient error
+against exact attention on the same activations (`fp4lab.compare`), and future leakage (the
+change of the logits at positions i < j when token j changes); at the end the validation loss
+with the training recipe and with exact attention on the same weights (a model that learned to
+use leaked future information shows a gap there).
+
+How it runs. One cell per (task, arm, seed); a cell checkpoints every `checkpoint_every`
+steps into its scratch folder and ``--resume`` continues a killed run with the curve an
+uninterrupted one has. Under ``torchrun`` the ranks train each cell together with DDP (gloo on
+the CPU, NCCL on GPUs; `data_parallel`), the global batch split over them; with
+``--set data_parallel=false`` the cells spread over the ranks instead (several small runs
+sharing one GPU). ``--preset smoke`` runs on a CPU in about a minute; ``full`` is sized for
+one H200 (bf16, FP8 and MXFP4 P/V and variants, two seeds, each cell a resumable piece of a
+few minutes); ``long`` scales the same runs up.
+
+Caveats. The speed goal of the issue (a training step with ``fa4fp4_causal_mxfp4pv`` on the
+Triton backend at no less than 0.4x the tokens/s of bf16 SDPA, measured in the same run by the
+``sdpa`` arm) needs the Triton backend's backward, which does not exist yet: the Triton
+backend refuses a backward by name, so training runs on ``--backend reference`` (on CUDA too)
+and the tokens/s it records are the simulation's. The gradient errors are the reference
+simulation's even when the forward runs elsewhere. The study is small: what it does not
+reproduce at its scale is reported as such, never tuned into appearing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+QUESTION = (
+    "Does training a small GPT with MXFP4 P/V diverge where FP8 P/V does not, when, with what "
+    "inside attention (P flushed, V clipped, gradient error, leakage), and which single change "
+    "to the recipe causes or removes it?"
+)
+
+
+def _parts():
+    """The study's package (studies/_pv_divergence), loaded from its path: studies/ is not a
+    package, and the framework loads this file by path too."""
+    name = "fp4lab_study_pv_divergence_parts"
+    if name not in sys.modules:
+        folder = Path(__file__).resolve().with_name("_pv_divergence")
+        spec = importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return {part: importlib.import_module(f"{name}.{part}")
+            for part in ("arms", "corpora", "gpt", "training", "report")}
+
+
+_P = _parts()
+ARMS, REFERENCE_ARM = _P["arms"].ARMS, _P["arms"].REFERENCE_ARM
+TASKS = ("text", "recall")
+
+
+@dataclass(frozen=True)
+class PVDivergenceConfig:
+    arms: tuple[str, ...] = ("bf16", "fp8pv", "mxfp4pv")  # arms.ARMS keys; bf16 required
+    seeds: tuple[int, ...] = (0, 1)  # model and data seeds (each arm sees the same ones)
+    tasks: tuple[str, ...] = ("text",)  # "text" (bytes of Python's docs and sources), "recall"
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads
+    n_embd: int = 256  # width; head_dim = n_embd / n_head (a multiple of 16)
+    seq_len: int = 512  # tokens per sequence (a multiple of 32)
+    batch: int = 16  # global batch, sequences per step (a multiple of the ranks)
+    steps: int = 600  # optimizer steps
+    lr: float = 2e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * this
+    warmup: int = 60  # linear warm-up steps
+    weight_decay: float = 0.1  # AdamW's, on matrices
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eval_every: int = 50  # steps between probes
+    val_batches: int = 4  # validation batches (of `batch` sequences) per probe
+    probe_rows: int = 2  # sequences of the traced probe batch
+    checkpoint_every: int = 100  # steps between checkpoints
+    corpus_bytes: int = 16_000_000  # bytes of text taken, in the documents' sorted order
+    val_fraction: float = 0.1  # documents in validation (by the hash of their names)
+    recall_pairs: int = 32  # key-value pairs per recall sequence
+    tile: int = 128  # attention's query and key tiles (a multiple of 32)
+    divergence_margin: float = 0.15  # nats of rolling loss gap over bf16 (published gate)
+    divergence_window: int = 32  # steps of the rolling mean (published gate)
+    divergence_patience: int = 3  # consecutive steps above the margin (published gate)
+    data_parallel: bool = True  # under torchrun: ranks train each cell together (DDP)
+
+    def __post_init__(self) -> None:
+        self._check_lists()
+        for name in ("n_layer", "n_head", "n_embd", "seq_len", "batch", "steps", "warmup",
+                     "eval_every", "val_batches", "probe_rows", "checkpoint_every",
+                     "corpus_bytes", "recall_pairs", "tile", "divergence_window",
+                     "divergence_patience"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        head_dim = self.n_embd // self.n_head
+        if self.n_embd % self.n_head or head_dim % 16:
+            raise ValueError(f"n_embd / n_head must be a whole multiple of 16 (NVFP4 Q/K blocks "
+                             f"of 16 along head_dim), got {self.n_embd} / {self.n_head}")
+        for name in ("seq_len", "tile"):
+            if getattr(self, name) % 32:
+                raise ValueError(f"{name} must be a multiple of 32 (MXFP4 blocks of 32 along "
+                                 f"the keys), got {getattr(self, name)}")
+        if self.probe_rows > self.batch:
+            raise ValueError(f"probe_rows ({self.probe_rows}) must be <= batch ({self.batch})")
+        if "recall" in self.tasks and self.seq_len + 1 < 4 * self.recall_pairs:
+            raise ValueError(f"recall_pairs: {self.recall_pairs} pairs need seq_len + 1 >= "
+                             f"{4 * self.recall_pairs}, got seq_len {self.seq_len}")
+        if not 0 < self.val_fraction < 1 or self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("val_fraction must lie in (0, 1), lr be > 0 and min_lr_ratio in "
+                             f"[0, 1]; got {self.val_fraction}, {self.lr}, {self.min_lr_ratio}")
+
+    def _check_lists(self) -> None:
+        for arm in self.arms:
+            if arm not in ARMS:
+                raise ValueError(f"arms: {arm!r} is not an arm; the arms are "
+                                 f"{', '.join(ARMS)}")
+        if REFERENCE_ARM not in self.arms:
+            raise ValueError(f"arms must include {REFERENCE_ARM!r}: the divergence rule "
+                             "compares every run with it")
+        for task in self.tasks:
+            if task not in TASKS:
+                raise ValueError(f"tasks: {task!r} is not one of {', '.join(TASKS)}")
+        for name in ("arms", "seeds", "tasks"):
+            values = getattr(self, name)
+            if not values or len(set(values)) != len(values):
+                raise ValueError(f"{name} must be a non-empty list without repeats, got "
+                                 f"{values}")
+
+
+_VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_rceil_v",
+             "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv")
+PRESETS = {
+    "smoke": PVDivergenceConfig(
+        arms=("bf16", "fp8pv", "mxfp4pv"), seeds=(0,), tasks=("text",), n_layer=2, n_head=2,
+        n_embd=64, seq_len=64, batch=8, steps=24, lr=3e-3, warmup=4, eval_every=8,
+        val_batches=2, probe_rows=2, checkpoint_every=8, corpus_bytes=600_000, tile=64,
+        divergence_window=4, divergence_patience=2,
+    ),
+    "full": PVDivergenceConfig(arms=("bf16", "sdpa", "fp8pv", "mxfp4pv", *_VARIANTS)),
+    "long": PVDivergenceConfig(
+        arms=tuple(ARMS), seeds=(0, 1, 2), tasks=("text", "recall"), n_layer=6, n_head=6,
+        n_embd=384, seq_len=1024, batch=32, steps=5000, warmup=250, eval_every=250,
+        checkpoint_every=250, corpus_bytes=64_000_000,
+    ),
+}
+
+
+def data_parallel(config: PVDivergenceConfig) -> bool:
+    return config.data_parallel
+
+
+def cells(config: PVDivergenceConfig) -> list[dict]:
+    return [{"task": task, "seed": seed, "arm": arm}
+            for task in config.tasks for seed in config.seeds for arm in config.arms]
+
+
+def run_spec(config: PVDivergenceConfig, cell: dict, run_seed: int, cell_seed: int):
+    """The training run of a cell: initial weights and data from (run seed, seed, task),
+    shared by every arm; stochastic rounding from the cell's own seed."""
+    corpora, gpt = _P["corpora"], _P["gpt"]
+    vocab = (256 if cell["task"] == "text"
+             else corpora.RecallTask(pairs=config.recall_pairs).vocab_size)
+    model = gpt.GPTConfig(vocab_size=vocab, seq_len=config.seq_len, n_layer=config.n_layer,
+                          n_head=config.n_head, n_embd=config.n_embd)
+    shared = f"{cell['task']}-{cell['seed']}"
+    return _P["training"].RunSpec(
+        model=model, task=cell["task"], arm=cell["arm"], steps=config.steps,
+        batch=config.batch, lr=config.lr, min_lr_ratio=config.min_lr_ratio,
+        warmup=config.warmup, weight_decay=config.weight_decay, beta2=config.beta2,
+        eval_every=config.eval_every, val_batches=config.val_batches,
+        probe_rows=config.probe_rows, checkpoint_every=config.checkpoint_every,
+        corpus_bytes=config.corpus_bytes, val_fraction=config.val_fraction,
+        recall_pairs=config.recall_pairs, block=config.tile,
+        init_seed=corpora.stream_seed(run_seed, f"init-{cell['seed']}", 0),
+        data_seed=corpora.stream_seed(run_seed, f"data-{shared}", 0),
+        sr_seed=cell_seed,
+    )
+
+
+def run_cell(config: PVDivergenceConfig, cell: dict, ctx) -> dict:
+    spec = run_spec(config, cell, ctx.seed, ctx.cell_seed)
+    tables = _P["training"].train(spec, ctx.device, ctx.backend, ctx.rank, ctx.world_size,
+                                  ctx.scratch)
+    if cell["task"] == "text" and tables["runs"]:
+        corpus = _P["corpora"].text_corpus(config.corpus_bytes, config.val_fraction)
+        tables["runs"][0] |= {"corpus_train_sha256": corpus.train_sha256,
+                              "corpus_val_sha256": corpus.val_sha256,
+                              "corpus_train_bytes": len(corpus.train),
+                              "corpus_val_bytes": len(corpus.val),
+                              "corpus_documents": corpus.documents}
+    return tables
+
+
+def report(config: PVDivergenceConfig, metrics, tables: dict):
+    return _P["report"].report(config, metrics, tables)
