@@ -2,7 +2,8 @@
 published recipes give biased gradients.
 
 What. Two sweeps on the default synthetic input (`fp4lab.analysis.synthetic_inputs`: outlier
-channels, an attention sink, heavy-tailed V, a small dO), causal:
+channels, an attention sink, heavy-tailed V, a small dO) or on activations saved with
+`fp4lab.analysis.save_inputs` (`inputs`; its hash is recorded), causal:
 
 - ``product``: one block format on the two operands of one product at a time (S = Q K^T,
   O = P V; the backward's dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q), everything
@@ -40,10 +41,10 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 import fp4lab
-from fp4lab.analysis import plots, synthetic_inputs
+from fp4lab.analysis import plots
 from fp4lab.formats import QuantSpec, get
 from fp4lab.recipes import OPERAND_FIELDS, AttentionRecipe, Product, resolve_recipe
-from fp4lab.studies import markdown_table
+from fp4lab.studies import describe_inputs, markdown_table, resolve_inputs, study_inputs
 
 QUESTION = (
     "Which of attention's six products matters for dQ, dK and dV when quantized alone, and "
@@ -74,11 +75,16 @@ class AttentionGradientsConfig:
     references: tuple[str, ...] = REFERENCES  # gradient_bias references
     samples: int = 32  # stochastic-rounding draws averaged
     z: float = 3.0  # |t| <= z reads as unbiased
+    inputs: str | None = None  # a save_inputs file instead of the synthetic model
+    inputs_sha256: str | None = None  # the file's hash (recorded; checked when given)
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq", "head_dim", "block_m", "block_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        path, sha = resolve_inputs(self.inputs, self.inputs_sha256)
+        object.__setattr__(self, "inputs", path)
+        object.__setattr__(self, "inputs_sha256", sha)
         if self.samples < 2:
             raise ValueError(f"samples must be >= 2, got {self.samples}")
         for name in self.one_at_a_time:
@@ -132,8 +138,8 @@ def recipe_for(cell: dict) -> AttentionRecipe:
 
 
 def run_cell(config: AttentionGradientsConfig, cell: dict, ctx) -> dict:
-    x = synthetic_inputs(batch=config.batch, heads=config.heads, seq=config.seq,
-                         head_dim=config.head_dim, seed=ctx.seed)
+    x = study_inputs(config.inputs, ctx.seed, batch=config.batch, heads=config.heads,
+                     seq=config.seq, head_dim=config.head_dim)
     recipe = recipe_for(cell)
     tiles = dict(causal=config.causal, block_m=config.block_m, block_n=config.block_n)
     x_dev = [t.to(ctx.device) for t in (x.q, x.k, x.v, x.do)]
@@ -244,8 +250,7 @@ def _convergence_section(config, table: pd.DataFrame | None) -> tuple[str, list[
 def report(config: AttentionGradientsConfig, metrics: pd.DataFrame, tables: dict):
     setup = (
         "## Setup\n\n"
-        f"Synthetic input (fp4lab.analysis.synthetic_inputs), {config.batch} x {config.heads} x "
-        f"{config.seq} x {config.head_dim}, {'causal' if config.causal else 'non-causal'}, "
+        f"Inputs: {_source(config)}, {'causal' if config.causal else 'non-causal'}, "
         f"tiles {config.block_m} x {config.block_n}; one at a time: "
         f"{', '.join(config.one_at_a_time)} on {', '.join(config.products)}; recipes "
         f"{', '.join(config.recipes)}; gradient_bias against {', '.join(config.references)} "
@@ -258,6 +263,11 @@ def report(config: AttentionGradientsConfig, metrics: pd.DataFrame, tables: dict
     text = setup + "## What the numbers show\n\n" + short + "\n"
     text += "".join(body for body, _ in sections)
     return text, _figures(metrics, table)
+
+
+def _source(config: AttentionGradientsConfig) -> str:
+    return describe_inputs(config.inputs, config.inputs_sha256, batch=config.batch,
+                           heads=config.heads, seq=config.seq, head_dim=config.head_dim)
 
 
 def _figures(metrics: pd.DataFrame, table: pd.DataFrame | None) -> dict[str, Figure]:

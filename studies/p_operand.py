@@ -27,6 +27,11 @@ shared by a head's keys: values share a mean direction in trained models, and on
 lost probability mass shrink the output (with zero-mean values it would move O by noise).
 The same draws serve every cell (paired comparisons); only Delta and lambda change.
 
+Saved activations. With `inputs` (a file written by `fp4lab.analysis.save_inputs`) the
+format, logit and two-level sweeps run on the file's Q, K, V instead of the model, with its
+(batch, head) pairs as the units; the sink sweep, which varies the model's sink margin,
+does not run, and the report says so.
+
 Anchor ("P-Cast Precision in FP8 Attention", arXiv 2606.06521). With forward iteration the
 sink's tile comes first, m is the sink's score Delta + M_k (M_k the largest of k standard
 normals), and a non-sink P = exp(z - Delta - M_k) times S flushes in E4M3 below 2^-10 (half
@@ -68,7 +73,7 @@ from scipy.special import log_ndtr, ndtr
 import fp4lab
 from fp4lab.formats import FloatFormat, QuantSpec, get
 from fp4lab.recipes import AttentionRecipe, KVOrder, PQuant, RowSum, Trace
-from fp4lab.studies import markdown_table
+from fp4lab.studies import describe_inputs, markdown_table, resolve_inputs, study_inputs
 
 QUESTION = (
     "What does quantizing P do to attention (flushed fraction and mass, row-sum bias, output "
@@ -109,6 +114,8 @@ class POperandConfig:
     sweeps: tuple[str, ...] = SWEEPS  # which sweeps run
     trace_head: bool = True  # keep the per-tile trace of (batch 0, head 0) of format cells
     z: float = 3.0  # tolerances, in standard errors
+    inputs: str | None = None  # a save_inputs file's Q, K, V instead of the P-Cast model
+    inputs_sha256: str | None = None  # the file's hash (recorded; checked when given)
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq", "head_dim", "block_m", "block_n", "sink_keys"):
@@ -134,6 +141,9 @@ class POperandConfig:
                                  f"{getattr(self, name)}")
         if not self.z > 0:
             raise ValueError(f"z must be positive, got {self.z}")
+        path, sha = resolve_inputs(self.inputs, self.inputs_sha256)
+        object.__setattr__(self, "inputs", path)
+        object.__setattr__(self, "inputs_sha256", sha)
 
 
 def _check_choices(name: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
@@ -174,7 +184,7 @@ def _cell(sweep, fmt, lift, order, row_sum, p_quant, delta, logit) -> dict:
 def cells(config: POperandConfig) -> list[dict]:
     found = []
     unq, spec = RowSum.UNQUANTIZED_P.value, PQuant.SPEC.value
-    if "sink" in config.sweeps:
+    if "sink" in config.sweeps and config.inputs is None:  # it varies the model's sink
         found += [_cell("sink", config.sink_format, s, o, unq, spec, d, 1.0)
                   for d in config.deltas for s in config.lifts for o in config.orders]
     delta = config.format_delta
@@ -235,26 +245,41 @@ def sink_inputs(config: POperandConfig, delta: float, seed: int, device: str):
 
 
 @functools.lru_cache(maxsize=1)
+def _saved(path: str, seed: int, device: str):
+    """q, k, v of a save_inputs file, on `device`."""
+    x = study_inputs(path, seed)
+    return x.q.to(device), x.k.to(device), x.v.to(device)
+
+
+def cell_inputs(config: POperandConfig, delta: float, seed: int, device: str):
+    """q, k, v of a cell: the P-Cast model at `delta`, or the inputs file's (delta unused)."""
+    if config.inputs is not None:
+        return _saved(config.inputs, seed, device)
+    return sink_inputs(config, delta, seed, device)
+
+
+@functools.lru_cache(maxsize=1)
 def _exact(config: POperandConfig, delta: float, logit: float, seed: int, device: str):
     """Exact attention in float64 on the reference path: the oracle, whatever the backend."""
-    q, k, v = sink_inputs(config, delta, seed, device)
-    scale = logit / math.sqrt(config.head_dim)
+    q, k, v = cell_inputs(config, delta, seed, device)
+    scale = logit / math.sqrt(q.shape[-1])
     return fp4lab.attention(q.double(), k.double(), v.double(), "exact", scale=scale,
                             block_m=config.block_m, block_n=config.block_n, backend="reference")
 
 
 def run_cell(config: POperandConfig, cell: dict, ctx) -> dict:
-    q, k, v = sink_inputs(config, cell["delta"], ctx.seed, ctx.device)
+    q, k, v = cell_inputs(config, cell["delta"], ctx.seed, ctx.device)
     recipe = recipe_for(config, cell)
     trace = Trace()
     out = fp4lab.attention(
-        q, k, v, recipe, scale=cell["logit_scale"] / math.sqrt(config.head_dim), trace=trace,
+        q, k, v, recipe, scale=cell["logit_scale"] / math.sqrt(q.shape[-1]), trace=trace,
         generator=ctx.cell_seed if recipe.stochastic else None, backend=ctx.backend,
     )
     ref = _exact(config, cell["delta"], cell["logit_scale"], ctx.seed, ctx.device)
     frame = trace.to_frame()
-    rows = [_unit(config, frame, out, ref, b, h)
-            for b in range(config.batch) for h in range(config.heads)]
+    unit = _unit if config.inputs is None else _file_unit
+    rows = [unit(config, frame, out, ref, b, h)
+            for b in range(q.shape[0]) for h in range(q.shape[1])]
     keep = config.trace_head and cell["sweep"] == "format"
     head = frame[(frame["batch"] == 0) & (frame["head"] == 0)] if keep else frame.iloc[:0]
     return {"metrics": rows, "trace": head[head["product"].isin(["pv", "out"])]}
@@ -276,6 +301,25 @@ def _unit(config, frame: pd.DataFrame, out, ref, b: int, h: int) -> dict:
         "flushed_sink_tile": flushed[sink_tile].sum() / (n_queries * (bn - k)),
         "flushed_other_tiles": (flushed[~sink_tile].sum() / (n_queries * (config.seq - bn))
                                 if config.seq > bn else math.nan),
+        "p_mass_lost": pv.groupby("q_tile")["p_mass_lost"].sum().mean(),
+        "p_err": pv["a_err"].mean(),
+        "row_sum_err": rows["row_sum_err"].mean(),
+        "out_err_tiles": rows["out_err"].mean(),
+        "out_rel_l2": ((o - r).norm() / r.norm()).item(),
+        "out_bias": 1 - ((o * r).sum() / (r * r).sum()).item(),
+    }
+
+
+def _file_unit(config, frame: pd.DataFrame, out, ref, b: int, h: int) -> dict:
+    """`_unit`'s figures on an inputs file's (batch, head), which has no sink by
+    construction: the flushed fraction is the mean over tiles of the trace's share of
+    nonzero P flushed, the sink-tile split NaN."""
+    here = frame[(frame["batch"] == b) & (frame["head"] == h)]
+    pv, rows = here[here["product"] == "pv"], here[here["product"] == "out"]
+    o, r = out[b, h].double(), ref[b, h].double()
+    return {
+        "batch": b, "head": h, "flushed": pv["a_flushed"].mean(),
+        "flushed_sink_tile": math.nan, "flushed_other_tiles": math.nan,
         "p_mass_lost": pv.groupby("q_tile")["p_mass_lost"].sum().mean(),
         "p_err": pv["a_err"].mean(),
         "row_sum_err": rows["row_sum_err"].mean(),
@@ -480,11 +524,16 @@ def _slope(rows: pd.DataFrame) -> float:
     return float((v[hi] - v[lo]) / (d[hi] - d[lo]) * math.sqrt(2 * math.pi))
 
 
+def _where(config: POperandConfig) -> str:
+    """The input of the format sweep in a few words."""
+    return "the inputs file" if config.inputs is not None else f"Delta = {config.format_delta:g}"
+
+
 def _format_section(config, frame: pd.DataFrame) -> tuple[str, list[str]]:
     rows = frame[frame["sweep"] == "format"]
     if rows.empty:
         return "", []
-    text = (f"## P's format (Delta = {config.format_delta:g}, logit scale 1)\n\n"
+    text = (f"## P's format ({_where(config)}, logit scale 1)\n\n"
             "Means over (batch, head); flushed: fraction of non-sink P flushed; mass lost: "
             "probability mass flushed per row; row-sum error: l^/l - 1 of the row sum P V "
             "used; output bias: 1 - <O, O_ref>/<O_ref, O_ref>.\n\n")
@@ -495,7 +544,7 @@ def _format_section(config, frame: pd.DataFrame) -> tuple[str, list[str]]:
         "out_rel_l2": "output error", "out_bias": "output bias"}) + "\n"
     best = unq.loc[unq["out_rel_l2"].idxmin()]
     worst = unq.loc[unq["out_rel_l2"].idxmax()]
-    short = [f"P's format at Delta = {config.format_delta:g}: output error from "
+    short = [f"P's format ({_where(config)}): output error from "
              f"{best['out_rel_l2']:.3g} ({best['format']}, S = {best['lift']:g}, "
              f"{best['order']}) to {worst['out_rel_l2']:.3g} ({worst['format']}, S = "
              f"{worst['lift']:g}, {worst['order']})."]
@@ -579,7 +628,7 @@ def _two_level_section(config, frame: pd.DataFrame) -> tuple[str, list[str]]:
 def report(config: POperandConfig, metrics: pd.DataFrame):
     frame = per_cell(metrics)
     table = anchor_table(config, frame)
-    setup = (
+    setup = _file_setup(config) if config.inputs is not None else (
         "## Setup\n\n"
         f"{config.batch} x {config.heads} (batch x heads) independent units, {config.seq} "
         f"queries and keys, head_dim {config.head_dim}, tiles {config.block_m} x "
@@ -597,6 +646,18 @@ def report(config: POperandConfig, metrics: pd.DataFrame):
     return text, _figures(config, frame, table)
 
 
+def _file_setup(config: POperandConfig) -> str:
+    return (
+        "## Setup\n\n"
+        f"Inputs: {describe_inputs(config.inputs, config.inputs_sha256)}; its (batch, head) "
+        f"pairs are the units, non-causal, tiles {config.block_m} x {config.block_n}. The "
+        "sink sweep, which varies the P-Cast model's sink margin, does not run on a file; "
+        "flushed is the trace's mean share of nonzero P flushed per tile. Only P is "
+        "quantized; errors against exact float64 attention. Sweeps: "
+        f"{', '.join(s for s in config.sweeps if s != 'sink')}.\n\n"
+    )
+
+
 def _figures(config, frame: pd.DataFrame, table: pd.DataFrame) -> dict[str, Figure]:
     figures = {}
     if len(table):
@@ -612,7 +673,7 @@ def _figures(config, frame: pd.DataFrame, table: pd.DataFrame) -> dict[str, Figu
             sns.barplot(data=rows, y="format", x=column, hue="setting", ax=ax,
                         legend=column == "out_rel_l2")
             ax.set_xscale("symlog", linthresh=1e-4)
-        fig.suptitle(f"P's format (Delta = {config.format_delta:g}, unquantized row sum)")
+        fig.suptitle(f"P's format ({_where(config)}, unquantized row sum)")
         figures["formats"] = fig
     logit = frame[frame["sweep"] == "logit"]
     if len(logit):

@@ -57,3 +57,17 @@ def test_bad_set_values_fail_before_anything_runs(tmp_path, entry, words):
     with pytest.raises(ValueError, match=words):
         run_study("attention-gradients", "smoke", [entry], out=tmp_path / "x", quiet=True)
     assert not (tmp_path / "x").exists()
+
+
+def test_saved_activations_give_the_numbers_of_the_model_they_came_from(tmp_path):
+    from fp4lab.analysis import save_inputs, synthetic_inputs
+
+    tiny = ["batch=1", *TINY]
+    x = synthetic_inputs(batch=1, heads=1, seq=128, head_dim=64, seed=0)
+    path = save_inputs(tmp_path / "acts.npz", x.q, x.k, x.v, x.do)
+    synthetic = run_study("attention-gradients", "smoke", tiny, out=tmp_path / "a", quiet=True)
+    saved = run_study("attention-gradients", "smoke", [*tiny, f"inputs={path}"],
+                      out=tmp_path / "b", quiet=True)
+    pd.testing.assert_frame_equal(pd.read_parquet(synthetic / "metrics.parquet"),
+                                  pd.read_parquet(saved / "metrics.parquet"))
+    assert "sha256" in (saved / "report.md").read_text()

@@ -144,3 +144,20 @@ def test_exact_reference_is_float64_reference_path():
     config = STUDY.POperandConfig(batch=1, heads=1, seq=128, block_m=64, block_n=64)
     ref = STUDY._exact(config, 4.0, 1.0, 0, "cpu")
     assert ref.dtype == torch.float64 and ref.shape == (1, 1, 128, 64)
+
+
+def test_saved_activations_replace_the_model_outside_the_sink_sweep(tmp_path):
+    """A save_inputs file runs the format, logit and two-level sweeps on its Q, K, V (its
+    (batch, head) pairs the units); the sink sweep needs the model and does not run."""
+    from fp4lab.analysis import save_inputs, synthetic_inputs
+
+    x = synthetic_inputs(batch=1, heads=2, seq=128, head_dim=32, seed=2)
+    path = save_inputs(tmp_path / "acts.npz", x.q, x.k, x.v)
+    out = run_study("p-operand", "smoke", [*TINY, f"inputs={path}"], out=tmp_path / "a",
+                    quiet=True)
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert "sink" not in set(metrics["sweep"]) and {"format", "logit"} <= set(metrics["sweep"])
+    assert metrics["out_rel_l2"].map(math.isfinite).all() and len(metrics) % 2 == 0
+    assert metrics["flushed"].between(0, 1).all() and metrics["flushed_sink_tile"].isna().all()
+    report = (out / "report.md").read_text()
+    assert "activations read from" in report and "does not run on a file" in report
