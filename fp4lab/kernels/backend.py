@@ -46,7 +46,7 @@ def _store_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if _interpreted() else torch.bfloat16
 
 
-def check_recipe(recipe: AttentionRecipe) -> None:
+def check_recipe(recipe: AttentionRecipe, gpu: bool = False) -> None:
     """Raise NotImplementedError for a recipe mechanism the kernels do not run yet."""
     from fp4lab.kernels.flash import check_direct_p, check_p
 
@@ -76,7 +76,7 @@ def check_recipe(recipe: AttentionRecipe) -> None:
     if recipe.p_quant is PQuant.DIRECT:
         check_direct_p(recipe.p)
     else:
-        check_p(recipe.p, recipe.p_lift)
+        check_p(recipe.p, recipe.p_lift, gpu=gpu)
 
 
 def _check_call(q, k, v, trace, attn_mask) -> None:
@@ -254,7 +254,7 @@ def attention(
     _check_call(q, k, v, trace, attn_mask)
     if dropout_p:
         raise NotImplementedError("dropout_p: the Triton kernels have no dropout yet")
-    check_recipe(recipe)
+    check_recipe(recipe, gpu=q.device.type == "cuda" and not _interpreted())
     block_m = block_m or recipe.block_m or _DEFAULT_TILE
     block_n = block_n or recipe.block_n or _DEFAULT_TILE
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
