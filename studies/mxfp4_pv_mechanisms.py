@@ -398,10 +398,13 @@ def run_cell(config: MechanismsConfig, cell: dict, ctx) -> dict:
         })
     recipes = [{"role": role, "recipe": runs[role].trace["recipe"].iloc[0], **runs[role].stats}
                for role in ("variant", "control")]
-    trace = runs["variant"].trace
     for row in rows:
         row["contribution"] = _contribution(row["variant_from_fp8"], row["control_from_fp8"])
-    return {"metrics": rows, "recipes": recipes, "trace": trace.drop(columns=["call"])}
+    owners = trace_owners(config)
+    traces = [runs[role].trace for role in ("variant", "control")
+              if owners[runs[role].trace["recipe"].iloc[0]] == ctx.index]
+    trace = pd.concat(traces, ignore_index=True) if traces else runs["variant"].trace.iloc[:0]
+    return {"metrics": rows, "recipes": recipes, "trace": trace}
 
 
 def _contribution(with_: float, without: float) -> float:
@@ -410,6 +413,16 @@ def _contribution(with_: float, without: float) -> float:
     (the FP8 route itself as control) it is a."""
     delta = with_**2 - without**2
     return math.copysign(math.sqrt(abs(delta)), delta)
+
+
+def trace_owners(config: MechanismsConfig) -> dict[str, int]:
+    """Each recipe's name -> the first cell that runs it: the one that stores its trace (so
+    trace.parquet holds every recipe once)."""
+    owners = {}
+    for index, cell in enumerate(cells(config)):
+        for recipe in contrast(config, cell):
+            owners.setdefault(recipe.name, index)
+    return owners
 
 
 # -- the ranking ---------------------------------------------------------------------------

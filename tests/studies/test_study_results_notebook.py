@@ -77,3 +77,13 @@ def test_opens_attention_gradients(notebook, attention_gradients_smoke, tmp_path
     outputs = execute(notebook, attention_gradients_smoke, tmp_path, monkeypatch)
     figures = len(list((attention_gradients_smoke / "figures").glob("*.png")))
     assert images(outputs) == figures + 1
+
+
+def test_opens_mxfp4_pv_mechanisms_with_trace_heatmaps(notebook, mxfp4_pv_mechanisms_smoke,
+                                                       tmp_path, monkeypatch):
+    """The ranking in the report, the contributions as a curve, the routes' trace heatmaps."""
+    outputs = execute(notebook, mxfp4_pv_mechanisms_smoke, tmp_path, monkeypatch)
+    figures = len(list((mxfp4_pv_mechanisms_smoke / "figures").glob("*.png")))
+    assert images(outputs) == figures + 1 + 3
+    markdown = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
+    assert "| rank | mechanism |" in markdown
