@@ -5,6 +5,10 @@ ranking, and bad settings are refused before anything runs."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -12,6 +16,7 @@ import pytest
 from fp4lab.studies import load_study, run_study
 
 STUDY = load_study("mxfp4-pv-mechanisms").module
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["seq=128", "heads=1", "mechanisms=p_rule_route,row_sum,v_leakage", "leak_positions=1"]
 
 
@@ -58,6 +63,26 @@ def test_rerun_with_the_same_seed_gives_identical_metrics(tmp_path):
     for table in ("metrics", "ranking", "recipes"):
         pd.testing.assert_frame_equal(pd.read_parquet(first / f"{table}.parquet"),
                                       pd.read_parquet(again / f"{table}.parquet"))
+
+
+def test_two_gloo_ranks_give_the_tables_of_one_process(tmp_path):
+    """Each rank runs its own recipes (cached per process); the trace's owner is the cell."""
+    one = run_study("mxfp4-pv-mechanisms", "smoke", TINY, out=tmp_path / "one", quiet=True)
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "import sys\nfrom fp4lab.studies import run_study\n"
+        "run_study('mxfp4-pv-mechanisms', 'smoke', sys.argv[2:], out=sys.argv[1], quiet=True)\n"
+    )
+    torchrun = Path(sys.executable).with_name("torchrun")
+    subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(script),
+         str(tmp_path / "two"), *TINY],
+        cwd=ROOT, check=True, capture_output=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    for table in ("metrics", "ranking", "recipes", "trace"):
+        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "two" / f"{table}.parquet"),
+                                      pd.read_parquet(one / f"{table}.parquet"))
 
 
 def test_the_cli_prints_the_ranking(tmp_path, capsys):
