@@ -117,9 +117,12 @@ def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int):
         return round_to_format(x.float(), spec).to(_store_dtype(x)).contiguous(), ones
     per_head = recipe.tensor_scope is TensorScope.HEAD
     view = x.reshape(b, h // groups, groups, *x.shape[2:]) if per_head else x
-    from fp4lab.kernels.quantize import quantize
+    from fp4lab.kernels.quantize import fake_quantize, quantize
 
-    qt = quantize(view, spec, axis=recipe.block_axis(field), batch_dims=2 if per_head else 0)
+    where = dict(axis=recipe.block_axis(field), batch_dims=2 if per_head else 0)
+    if _one_pass(spec):  # codes times block scales in one fused pass
+        return fake_quantize(view, spec, **where).reshape(x.shape).to(_store_dtype(x)), ones
+    qt = quantize(view, spec, **where)
     codes, scales = qt.element_values(), qt.expanded_scales()
     factor = ones
     if spec.scale_rule.alpha_grid:  # s = 2^E / M_e: keep 2^E, the 1/M_e goes to the factor
@@ -134,6 +137,15 @@ def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int):
         factor = factor * _per_head(qt.tensor_scale, b, h, groups)
     store = (codes * scales).reshape(x.shape).to(_store_dtype(x))
     return store.contiguous(), factor
+
+
+def _one_pass(spec: QuantSpec) -> bool:
+    """Whether `_operand` stores `spec`'s dequantized values whole (no tensor scale, no alpha
+    grid's 1/M_e, no FP32 scale kept apart as a factor): then the fused `fake_quantize` in
+    the store dtype gives its bits in one pass."""
+    if spec.tensor_scale or spec.scale_rule.alpha_grid or spec.scale == FP32 or spec.hadamard:
+        return False
+    return not spec.stochastic and spec.block is not None
 
 
 def _fp8_pv(recipe: AttentionRecipe, block_n: int | None = None) -> bool:

@@ -14,6 +14,7 @@ Hopper accumulates part of each product in reduced precision (as FlashAttention-
 path does), which the simulation does not model: measured 5e-4 on the H200, budget 2e-3.
 """
 
+import dataclasses
 import math
 import zlib
 
@@ -334,3 +335,25 @@ def test_p_quantized_in_the_dot_layout_is_the_reference(p_format):
     exact = factor.item() == 2.0 ** round(math.log2(factor.item()))
     ulps = (got.view(torch.int32) - want.view(torch.int32)).abs().max().item()
     assert ulps <= (0 if exact else 1), f"{p_format}: {ulps} ulps"
+
+
+@pytest.mark.parametrize(
+    "spec", ["mxfp4", "nvfp4_1level", "mxfp8_e4m3", "mxfp4_rceil", "nvfp4_ue5m3", "nvfp4"]
+)
+@pytest.mark.parametrize("field", ["q", "v"])
+def test_operands_take_the_fused_path_only_where_it_is_the_same(spec, field):
+    # the one-pass path (fake_quantize in the store dtype) against codes times scales in
+    # fp32 cast to it, bit for bit
+    from fp4lab.kernels import backend
+
+    block_format = fp4lab.formats.get(spec)
+    recipe = dataclasses.replace(resolve_recipe("exact"), name="t", **{field: block_format})
+    x = inputs(2, 2, 2, 64, 64, 64, seed=9)[0]
+    store, factor = backend._operand(x, recipe, field, 1)
+    qt = fp4lab.formats.quantize(x, block_format, axis=recipe.block_axis(field))
+    if backend._one_pass(block_format):
+        want = (qt.element_values() * qt.expanded_scales()).to(store.dtype)
+        assert torch.equal(store.cpu(), want.cpu()) and torch.all(factor == 1)
+    else:
+        assert spec == "nvfp4"  # a tensor scale: the general path, a factor per head
+        assert not torch.all(factor == 1)
