@@ -38,16 +38,22 @@ view of V against the unquantized V, and how far the backward's P (dV = P^T dO) 
 P^ the forward consumed (``p_fwd_mismatch``).
 
 The ranking. The yardstick is the gap, ||g_R - g_B|| / ||g_B|| of the MXFP4 route R against
-the FP8 route B. Mechanisms are ranked per gradient by their effect on the FP8 route and
-overall by their largest share of the gap over dQ, dK, dV; a mechanism of the route is named
-for the training study (issue 11) when its effect in either context reaches `must_test_share`
-of the gap on any gradient, or when it lets a later token move earlier rows' O or dQ by more
-than `must_test_leak` (a train/decode skew no one-step error shows). The ranking is also the
-results folder's ranking.parquet / ranking.csv.
+the FP8 route B. A mechanism's effect in the ranking is the distance from B it adds, in
+quadrature: with a = ||g_v - g_B|| / ||g_B|| and b = ||g_c - g_B|| / ||g_B||, sign(a^2 - b^2)
+sqrt(|a^2 - b^2|) (a itself when the control is B; independent rounding errors add in
+quadrature, so re-rounding the same operand differently does not count as an effect, and a
+negative value means switching the mechanism on brings the gradient closer to B's).
+Mechanisms are ranked per gradient by that effect on the FP8 route, and overall by their
+largest share of the gap over dQ, dK, dV and both contexts; a mechanism of the route is
+named for the training study (issue 11) when that share reaches `must_test_share` (0.5: a
+quarter of the gap's squared norm), or when it lets a later token move earlier rows' O or dQ
+by more than `must_test_leak` (a train/decode skew no one-step error shows). The ranking is
+also the results folder's ranking.parquet / ranking.csv.
 
 Caveats. A contrast between two FP4 roundings of the same operand (a refinement against its
-control) measures the difference of two rounding patterns, so its effect includes re-rounding
-scatter; its bias is the systematic part. One input, one step: the effect of a mechanism on
+control) has a direct effect ||g_v - g_c|| that is mostly the difference of two rounding
+patterns (reported, with its bias, in "Every contrast"); the quadrature effect and the bias
+are the parts to read. One input, one step: the effect of a mechanism on
 training (accumulation over steps, feedback through the weights) is the training study's.
 """
 
