@@ -82,8 +82,8 @@ def _parts():
             for part in ("arms", "corpora", "gpt", "training", "report")}
 
 
-_P = _parts()
-ARMS, REFERENCE_ARM = _P["arms"].ARMS, _P["arms"].REFERENCE_ARM
+PARTS = _parts()
+ARMS, REFERENCE_ARM = PARTS["arms"].ARMS, PARTS["arms"].REFERENCE_ARM
 TASKS = ("text", "recall")
 
 
@@ -114,6 +114,7 @@ class PVDivergenceConfig:
     divergence_margin: float = 0.15  # nats of rolling loss gap over bf16 (published gate)
     divergence_window: int = 32  # steps of the rolling mean (published gate)
     divergence_patience: int = 3  # consecutive steps above the margin (published gate)
+    split_margin: float = 0.08  # nats: where the loss "splits" (the published warning)
     data_parallel: bool = True  # under torchrun: ranks train each cell together (DDP)
 
     def __post_init__(self) -> None:
@@ -163,10 +164,11 @@ _VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_rceil_v",
              "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv")
 PRESETS = {
     "smoke": PVDivergenceConfig(
-        arms=("bf16", "fp8pv", "mxfp4pv"), seeds=(0,), tasks=("text",), n_layer=2, n_head=2,
-        n_embd=64, seq_len=64, batch=8, steps=24, lr=3e-3, warmup=4, eval_every=8,
-        val_batches=2, probe_rows=2, checkpoint_every=8, corpus_bytes=600_000, tile=64,
-        divergence_window=4, divergence_patience=2,
+        arms=("bf16", "fp8pv", "mxfp4pv", "mxfp4_v_only", "mxfp4pv_leakfix"), seeds=(0, 1),
+        tasks=("text", "recall"), n_layer=2, n_head=2, n_embd=64, seq_len=64, batch=8,
+        steps=32, lr=3e-3, warmup=4, eval_every=8, val_batches=2, probe_rows=2,
+        checkpoint_every=8, corpus_bytes=600_000, recall_pairs=8, tile=64,
+        divergence_window=8, divergence_patience=2,
     ),
     "full": PVDivergenceConfig(arms=("bf16", "sdpa", "fp8pv", "mxfp4pv", *_VARIANTS)),
     "long": PVDivergenceConfig(
@@ -189,13 +191,13 @@ def cells(config: PVDivergenceConfig) -> list[dict]:
 def run_spec(config: PVDivergenceConfig, cell: dict, run_seed: int, cell_seed: int):
     """The training run of a cell: initial weights and data from (run seed, seed, task),
     shared by every arm; stochastic rounding from the cell's own seed."""
-    corpora, gpt = _P["corpora"], _P["gpt"]
+    corpora, gpt = PARTS["corpora"], PARTS["gpt"]
     vocab = (256 if cell["task"] == "text"
              else corpora.RecallTask(pairs=config.recall_pairs).vocab_size)
     model = gpt.GPTConfig(vocab_size=vocab, seq_len=config.seq_len, n_layer=config.n_layer,
                           n_head=config.n_head, n_embd=config.n_embd)
     shared = f"{cell['task']}-{cell['seed']}"
-    return _P["training"].RunSpec(
+    return PARTS["training"].RunSpec(
         model=model, task=cell["task"], arm=cell["arm"], steps=config.steps,
         batch=config.batch, lr=config.lr, min_lr_ratio=config.min_lr_ratio,
         warmup=config.warmup, weight_decay=config.weight_decay, beta2=config.beta2,
@@ -211,10 +213,10 @@ def run_spec(config: PVDivergenceConfig, cell: dict, run_seed: int, cell_seed: i
 
 def run_cell(config: PVDivergenceConfig, cell: dict, ctx) -> dict:
     spec = run_spec(config, cell, ctx.seed, ctx.cell_seed)
-    tables = _P["training"].train(spec, ctx.device, ctx.backend, ctx.rank, ctx.world_size,
+    tables = PARTS["training"].train(spec, ctx.device, ctx.backend, ctx.rank, ctx.world_size,
                                   ctx.scratch)
     if cell["task"] == "text" and tables["runs"]:
-        corpus = _P["corpora"].text_corpus(config.corpus_bytes, config.val_fraction)
+        corpus = PARTS["corpora"].text_corpus(config.corpus_bytes, config.val_fraction)
         tables["runs"][0] |= {"corpus_train_sha256": corpus.train_sha256,
                               "corpus_val_sha256": corpus.val_sha256,
                               "corpus_train_bytes": len(corpus.train),
@@ -224,4 +226,4 @@ def run_cell(config: PVDivergenceConfig, cell: dict, ctx) -> dict:
 
 
 def report(config: PVDivergenceConfig, metrics, tables: dict):
-    return _P["report"].report(config, metrics, tables)
+    return PARTS["report"].report(config, metrics, tables)

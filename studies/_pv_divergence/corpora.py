@@ -82,7 +82,8 @@ _CORPORA: dict[tuple[int, float], TextCorpus] = {}
 
 
 def text_corpus(budget: int, val_fraction: float) -> TextCorpus:
-    """The first `budget` bytes of the documents, split by the hash of their names."""
+    """The first `budget` bytes of the documents (each ending in a NUL), split by the hash
+    of their names."""
     key = (budget, val_fraction)
     if key not in _CORPORA:
         parts = {"train": [], "val": []}
@@ -90,20 +91,25 @@ def text_corpus(budget: int, val_fraction: float) -> TextCorpus:
         for name, data in _documents():
             if used >= budget:
                 break
-            data = data[: budget - used] + b"\0"
+            data = data[: budget - used - 1] + b"\0"  # the budget counts the NULs
             used += len(data)
             documents += 1
             first = hashlib.sha256(name.encode()).digest()[0]
             parts["val" if first < 256 * val_fraction else "train"].append(data)
         train, val = (b"".join(parts[s]) for s in ("train", "val"))
         _CORPORA[key] = TextCorpus(
-            train=torch.frombuffer(bytearray(train), dtype=torch.uint8),
-            val=torch.frombuffer(bytearray(val), dtype=torch.uint8),
+            train=_bytes_tensor(train), val=_bytes_tensor(val),
             train_sha256=hashlib.sha256(train).hexdigest(),
             val_sha256=hashlib.sha256(val).hexdigest(),
             documents=documents,
         )
     return _CORPORA[key]
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 @dataclass(frozen=True)

@@ -1,2 +1,470 @@
-def report(config, metrics, tables):
-    return "## What the numbers show\n\nstub\n", {}
+"""The pv-divergence report: the divergence rule applied to every run, the statistics inside
+attention around it, the causes and fixes with the evidence for and against each, and the
+comparison with the published fp4-fa4 training records (``published.json``).
+
+Everything here reads the stored tables (``metrics`` per step, ``evals`` and ``layers`` per
+probe, ``runs`` per run), so ``fp4lab study report DIR`` redraws it without training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from fp4lab.studies import markdown_table, number
+
+from .arms import ARMS, CAUSES, REFERENCE_ARM
+
+__all__ = ["report", "divergence_table", "published_records"]
+
+PUBLISHED = Path(__file__).resolve().with_name("published.json")
+CAUSE_COLUMNS = ["task", "cause", "kind", "arm", "baseline", "arm_diverged",
+                 "baseline_diverged", "seeds", "val_gap_delta", "val_gap_delta_se",
+                 "evidence_for", "evidence_against"]
+RUN_KEYS = ["task", "seed", "arm"]
+PROBE_COLUMNS = {  # layers-table column: heading
+    "p_flushed": "P flushed", "p_mass_lost": "P mass lost", "v_err": "V rel. err",
+    "v_clipped": "V clipped", "v_scale_underflow": "V scale underflow",
+    "out_err": "O rel. err", "dq_err_vs_exact": "dQ err", "dk_err_vs_exact": "dK err",
+    "dv_err_vs_exact": "dV err", "entropy": "entropy", "max_logit": "max logit",
+}
+
+
+def published_records() -> dict:
+    """The published runs and curves (see published.json's "about")."""
+    return json.loads(PUBLISHED.read_text())
+
+
+# -- the divergence rule ---------------------------------------------------------------------
+def rolling_gap(config, run: pd.DataFrame, reference: pd.DataFrame) -> pd.Series:
+    """Per step: the mean over the last `divergence_window` steps of the run's loss minus the
+    reference run's on the same step (NaN until the window is full)."""
+    gap = run.set_index("step")["loss"] - reference.set_index("step")["loss"]
+    return gap.rolling(config.divergence_window, min_periods=config.divergence_window).mean()
+
+
+def _first_sustained(above: pd.Series, patience: int):
+    """The step at which `above` has held for `patience` consecutive steps, or None."""
+    streak = above.astype(int).groupby((~above).cumsum()).cumsum()
+    hit = streak.index[streak >= patience]
+    return int(hit[0]) if len(hit) else None
+
+
+def divergence_table(config, metrics: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: its divergence step under the rule, the first step its rolling gap
+    passed `split_margin`, its first non-finite loss, and its final numbers."""
+    rows = []
+    tokens_per_step = config.batch * config.seq_len
+    for (task, seed), group in metrics.groupby(["task", "seed"], sort=False):
+        reference = group[group["arm"] == REFERENCE_ARM]
+        for arm, run in group.groupby("arm", sort=False):
+            gap = rolling_gap(config, run, reference)
+            nonfinite = run.loc[~np.isfinite(run["loss"]), "step"]
+            first_bad = int(nonfinite.iloc[0]) if len(nonfinite) else None
+            sustained = _first_sustained(gap > config.divergence_margin,
+                                         config.divergence_patience)
+            split = gap.index[gap > config.split_margin]
+            steps = [s for s in (first_bad, sustained) if s is not None]
+            step = min(steps) if steps else None
+            rows.append({
+                "task": task, "seed": seed, "arm": arm, "diverged": step is not None,
+                "divergence_step": step,
+                "divergence_tokens": None if step is None else (step + 1) * tokens_per_step,
+                "split_step": int(split[0]) if len(split) else None,
+                "nonfinite_step": first_bad, "max_rolling_gap": float(gap.max()),
+                "steps_done": int(run["step"].max()) + 1,
+                "max_grad_norm": float(run["grad_norm"].max()),
+            })
+    table = pd.DataFrame(rows)
+    final = runs[RUN_KEYS + ["val_loss", "val_loss_exact_attention", "tokens",
+                             "tokens_per_second"]]
+    table = table.merge(final, on=RUN_KEYS, how="left")
+    ref = table[table["arm"] == REFERENCE_ARM][["task", "seed", "val_loss"]]
+    table = table.merge(ref.rename(columns={"val_loss": "ref_val_loss"}), on=["task", "seed"])
+    table["val_gap"] = table["val_loss"] - table["ref_val_loss"]
+    table["exact_minus_trained"] = table["val_loss_exact_attention"] - table["val_loss"]
+    return table.drop(columns="ref_val_loss")
+
+
+# -- statistics inside attention --------------------------------------------------------------
+def layer_means(layers: pd.DataFrame) -> pd.DataFrame:
+    """The probe statistics averaged over layers, per (run, probe step)."""
+    columns = [c for c in PROBE_COLUMNS if c in layers]
+    return layers.groupby(RUN_KEYS + ["step", "tokens"], sort=False)[columns].mean().reset_index()
+
+
+def around_divergence(table: pd.DataFrame, probes: pd.DataFrame,
+                      evals: pd.DataFrame) -> pd.DataFrame:
+    """For each diverged run: its probes just before and at/after its divergence step."""
+    rows = []
+    for _, run in table[table["diverged"]].iterrows():
+        mine = probes[(probes[RUN_KEYS] == run[RUN_KEYS].values).all(axis=1)]
+        mine = mine.merge(evals, on=RUN_KEYS + ["step", "tokens"], how="left")
+        before = mine[mine["step"] < run["divergence_step"]].tail(1)
+        after = mine[mine["step"] >= run["divergence_step"]].head(1)
+        for when, found in (("before", before), ("after", after)):
+            rows += [{"when": when, **r} for r in found.to_dict("records")]
+    return pd.DataFrame(rows)
+
+
+# -- causes and fixes ---------------------------------------------------------------------------
+def _paired_gap(table: pd.DataFrame, arm: str, baseline: str) -> tuple[float, float, int]:
+    """Mean over the shared seeds of val_gap(arm) - val_gap(baseline), its standard error
+    (NaN with one seed) and the number of seeds."""
+    a = table[table["arm"] == arm].set_index("seed")["val_gap"]
+    b = table[table["arm"] == baseline].set_index("seed")["val_gap"]
+    d = (a - b).dropna()
+    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return float(d.mean()) if len(d) else float("nan"), se, len(d)
+
+
+def _verdict(cause, diverged: tuple[int, int], base: tuple[int, int], delta, se) -> tuple:
+    """(evidence for, evidence against) in words, from the counts and the paired gap."""
+    noise = "one seed: no noise estimate" if math.isnan(se) else f"+- {number(2 * se, 2)}"
+    gap_text = f"final val. loss {number(delta, 3)} nats vs {cause.baseline} ({noise})"
+    worse = not math.isnan(delta) and not math.isnan(se) and delta > 2 * se
+    better = not math.isnan(delta) and not math.isnan(se) and delta < -2 * se
+    if cause.kind == "cause":
+        if diverged[0] > base[0]:
+            return f"diverged in {diverged[0]}/{diverged[1]} seeds, {cause.baseline} in " \
+                   f"{base[0]}/{base[1]}", gap_text
+        against = f"no more divergence than {cause.baseline} ({diverged[0]}/{diverged[1]})"
+        return (gap_text, against) if worse else ("none", f"{against}; {gap_text}")
+    if base[0] == 0:
+        return "untestable here", f"{cause.baseline} did not diverge at this scale; {gap_text}"
+    if diverged[0] < base[0]:
+        return f"diverged in {diverged[0]}/{diverged[1]} seeds where {cause.baseline} did " \
+               f"in {base[0]}/{base[1]}; {gap_text}", "none" if better else gap_text
+    return "none", f"diverged as often as {cause.baseline}; {gap_text}"
+
+
+def causes_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Per task and candidate cause whose two arms ran: the evidence for and against it."""
+    rows = []
+    for task, runs in table.groupby("task", sort=False):
+        arms = set(runs["arm"])
+        for cause in CAUSES:
+            if cause.arm not in arms or cause.baseline not in arms:
+                continue
+            count = {a: (int(runs.loc[runs["arm"] == a, "diverged"].sum()),
+                         int((runs["arm"] == a).sum())) for a in (cause.arm, cause.baseline)}
+            delta, se, seeds = _paired_gap(runs, cause.arm, cause.baseline)
+            evidence_for, against = _verdict(cause, count[cause.arm], count[cause.baseline],
+                                             delta, se)
+            rows.append({"task": task, "cause": cause.name, "kind": cause.kind,
+                         "arm": cause.arm, "baseline": cause.baseline,
+                         "arm_diverged": count[cause.arm][0],
+                         "baseline_diverged": count[cause.baseline][0], "seeds": seeds,
+                         "val_gap_delta": delta, "val_gap_delta_se": se,
+                         "evidence_for": evidence_for, "evidence_against": against})
+    return pd.DataFrame(rows, columns=CAUSE_COLUMNS)
+
+
+# -- the published records ----------------------------------------------------------------------
+def _published_table(records: dict) -> pd.DataFrame:
+    rows = []
+    for run in records["runs"]:
+        diverged = {k: v for k, v in run["status"].items() if "diverged" in v}
+        update = run.get("mxfp4pv_divergence_update")
+        tokens = update * run["tokens_per_update"] if update else run.get(
+            "mxfp4pv_split_tokens")
+        rows.append({
+            "run": run["id"], "parameters": run["parameters"],
+            "tokens_per_update": run["tokens_per_update"],
+            "tokens_trained": run.get("updates_done", run["updates"]) * run["tokens_per_update"],
+            "mxfp4pv": "diverged" if diverged else "stable", "divergence_tokens": tokens,
+            "grad_clip": run["grad_clip"], "flags": run["flags"], "file": run["paths"][0],
+        })
+    return pd.DataFrame(rows)
+
+
+def _published_section(config, table: pd.DataFrame, records: dict) -> tuple[str, list[str]]:
+    frame = _published_table(records)
+    ours = table[table["arm"].isin(["mxfp4pv", "mxfp4pv_d64"])]
+    reached = int(table["tokens"].max()) if len(table) else 0
+    text = ("## Against the published records\n\nThe training records of MrHuff/fp4-fa4 "
+            "(repository, file of each run below; the figures are copied into "
+            "studies/_pv_divergence/published.json). Divergence tokens: the update their drift "
+            "gate failed (1.2B) or the report's onset (8B) times the tokens per update.\n\n"
+            + markdown_table(frame, {"run": "run", "parameters": "parameters",
+                                     "tokens_per_update": "tokens/update",
+                                     "tokens_trained": "tokens trained", "mxfp4pv": "MXFP4 P/V",
+                                     "divergence_tokens": "diverged at (tokens)",
+                                     "grad_clip": "clipping", "file": "file"}) + "\n"
+            + "Flags of each run:\n\n" + "".join(
+                f"- {r['run']}: {r['flags']}\n" for _, r in frame.iterrows()) + "\n")
+    first = frame.loc[frame["mxfp4pv"] == "diverged", "divergence_tokens"].min()
+    short = [f"Published: MXFP4 P/V diverged in {int((frame['mxfp4pv'] == 'diverged').sum())} "
+             f"of {len(frame)} recorded runs, the earliest at {number(first, 3)} tokens; "
+             f"this study's runs reached {number(reached, 3)} tokens"
+             + (f", {number(reached / first, 2)}x the earliest published divergence."
+                if first and reached else ".")]
+    if len(ours):
+        text += ("This study's MXFP4 P/V runs: " + ", ".join(
+            f"{r['arm']} seed {r['seed']} ({r['task']}): "
+            + (f"diverged at {number(r['divergence_tokens'], 3)} tokens" if r["diverged"]
+               else f"did not diverge in {number(r['tokens'], 3)} tokens")
+            for _, r in ours.iterrows()) + ".\n\n")
+    return text, short
+
+
+# -- the text ----------------------------------------------------------------------------------
+def _parameters(config, vocab: int) -> int:
+    d, layers = config.n_embd, config.n_layer
+    return vocab * d + layers * (12 * d * d + 4 * d) + 2 * d
+
+
+def _setup(config, runs: pd.DataFrame) -> str:
+    tokens = config.batch * config.seq_len
+    text = (
+        "## Setup\n\n"
+        f"A GPT of {config.n_layer} layers, {config.n_head} heads of "
+        f"{config.n_embd // config.n_head}, width {config.n_embd}, context {config.seq_len}, "
+        "rotary positions, tied head "
+        f"({_parameters(config, 256):,} parameters on text); attention through "
+        "fp4lab.attention with each arm's recipe (tiles "
+        f"{config.tile}), everything else bf16 on a GPU and float32 on the CPU. AdamW "
+        f"(lr {config.lr:g}, betas 0.9/{config.beta2:g}, weight decay {config.weight_decay:g} "
+        f"on matrices), {config.warmup} warm-up steps, cosine decay to "
+        f"{config.min_lr_ratio:g} x lr over {config.steps} steps, no gradient clipping (but "
+        f"in mxfp4pv_clip); global batch {config.batch} x {config.seq_len} = {tokens:,} "
+        f"tokens per step; seeds {', '.join(map(str, config.seeds))}, each seed's initial "
+        "weights and data order shared by every arm.\n\n")
+    if "text" in config.tasks and "corpus_train_sha256" in runs:
+        row = runs[runs["task"] == "text"].iloc[0]
+        text += (f"Text: {int(row['corpus_documents'])} documents of pydoc_data.topics and "
+                 f"the standard library ({int(row['corpus_train_bytes']):,} training bytes, "
+                 f"sha256 {row['corpus_train_sha256'][:16]}...; "
+                 f"{int(row['corpus_val_bytes']):,} validation bytes, sha256 "
+                 f"{row['corpus_val_sha256'][:16]}...).\n\n")
+    if "recall" in config.tasks:
+        text += (f"Recall: {config.recall_pairs} key-value pairs, then each key queried, the "
+                 "loss on the answers only.\n\n")
+    arms = pd.DataFrame([{"arm": a, "recipe": ARMS[a].recipe.name if ARMS[a].recipe else
+                          "torch SDPA", "what": ARMS[a].what} for a in config.arms])
+    return text + markdown_table(arms) + "\n"
+
+
+def _rule(config) -> str:
+    return (
+        "## The divergence rule\n\nFixed before the runs: a run diverges at its first "
+        "non-finite training loss, or at the first step where the mean over the last "
+        f"{config.divergence_window} steps of its loss minus the {REFERENCE_ARM} run's loss "
+        f"on the same batch has been above {config.divergence_margin:g} nats for "
+        f"{config.divergence_patience} consecutive steps. The full preset takes the window, "
+        "threshold and patience of the published 1.2B runs' drift gate (32, 0.15, 3), which "
+        "also required the gap against FP8 P/V and started at update 256. The split step is "
+        f"the first at which that mean passes {config.split_margin:g} (their warning).\n\n")
+
+
+def _summary(config, table: pd.DataFrame, causes: pd.DataFrame) -> list[str]:
+    lines = []
+    for (task, arm), rows in table.groupby(["task", "arm"], sort=False):
+        diverged = rows[rows["diverged"]]
+        lines.append(
+            f"{task}, {arm}: diverged in {len(diverged)} of {len(rows)} seeds"
+            + (f" (first at step {int(diverged['divergence_step'].min())})" if len(diverged)
+               else f" in {number(rows['tokens'].max(), 3)} tokens")
+            + f"; final validation loss {number(rows['val_gap'].mean(), 3)} nats from "
+              f"{REFERENCE_ARM} (mean over seeds), with exact attention on its weights "
+              f"{number(rows['exact_minus_trained'].mean(), 3)} from its own recipe's.")
+    mx = table[table["arm"] == "mxfp4pv"]
+    if len(mx) and not mx["diverged"].any():
+        lines.append(f"Null result: MXFP4 P/V (fa4fp4_causal_mxfp4pv) did not diverge at this "
+                     f"scale ({config.n_layer} layers, width {config.n_embd}, "
+                     f"{number(mx['tokens'].max(), 3)} tokens); the rule was not tuned to find "
+                     "a divergence.")
+    supported = causes[~causes["evidence_for"].isin(["none", "untestable here"])]
+    if len(causes):
+        lines.append(f"Causes and fixes: {len(supported)} of {len(causes)} have evidence for "
+                     "them here" + (f" ({', '.join(supported['arm'])})." if len(supported)
+                                    else "."))
+    return lines
+
+
+def _speed(table: pd.DataFrame) -> str:
+    if "sdpa" not in set(table["arm"]):
+        return ""
+    base = table[table["arm"] == "sdpa"].set_index(["task", "seed"])["tokens_per_second"]
+    rows = table.assign(vs_sdpa=[r["tokens_per_second"] / base.get((r["task"], r["seed"]),
+                                                                   float("nan"))
+                                 for _, r in table.iterrows()])
+    speed = rows.groupby("arm", sort=False)[["tokens_per_second", "vs_sdpa"]].mean()
+    return ("## Speed\n\nTraining tokens per second (probes excluded), and as a fraction of "
+            "the sdpa arm's in the same run. The issue's goal, fa4fp4_causal_mxfp4pv at 0.4x "
+            "SDPA or better, is for the Triton backend, whose backward does not exist yet: "
+            "these are the backend the run used (the reference simulation unless it says "
+            "otherwise).\n\n" + markdown_table(speed.reset_index()) + "\n")
+
+
+def report(config, metrics: pd.DataFrame, tables: dict):
+    runs, evals, layers = tables["runs"], tables["evals"], tables["layers"]
+    table = divergence_table(config, metrics, runs)
+    causes = causes_table(table)
+    probes = layer_means(layers)
+    records = published_records()
+    published, published_short = _published_section(config, table, records)
+    summary = _summary(config, table, causes) + published_short
+    text = _setup(config, runs) + _rule(config) + "## What the numbers show\n\n" + "".join(
+        f"- {line}\n" for line in summary) + "\n"
+    text += ("## Divergence\n\n" + markdown_table(table, {
+        "task": "task", "seed": "seed", "arm": "arm", "diverged": "diverged",
+        "divergence_step": "step", "divergence_tokens": "tokens", "split_step": "split step",
+        "nonfinite_step": "non-finite step", "max_rolling_gap": "max rolling gap",
+        "max_grad_norm": "max grad norm", "val_loss": "final val. loss",
+        "val_gap": "val. gap", "exact_minus_trained": "exact attention - own"}) + "\n")
+    text += _inside(table, probes, evals)
+    text += ("## Causes and fixes\n\nEach candidate, the arm that tests it and its baseline "
+             "(a cause is added to a stable route, a fix applied to the diverging one); the "
+             "evidence is the divergence counts and the paired (same seed) final validation "
+             "gap, 2 standard errors over seeds as its noise.\n\n"
+             + markdown_table(causes, {"task": "task", "cause": "cause", "kind": "kind",
+                                      "arm": "arm",
+                                       "baseline": "baseline", "evidence_for": "evidence for",
+                                       "evidence_against": "evidence against"}) + "\n")
+    text += published + _speed(table)
+    figures = _figures(config, metrics, table, probes, evals, records)
+    return text, figures, {"divergence": table, "causes": causes}
+
+
+def _inside(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame) -> str:
+    columns = {c: h for c, h in PROBE_COLUMNS.items() if c in probes}
+    last = probes.loc[probes.groupby(RUN_KEYS, sort=False)["step"].idxmax()]
+    last = last.merge(evals[RUN_KEYS + ["step", "leak_max_abs", "leak_rel"]],
+                      on=RUN_KEYS + ["step"], how="left")
+    mean = last.groupby(["task", "arm"], sort=False)[[*columns, "leak_max_abs",
+                                                      "leak_rel"]].mean().reset_index()
+    text = ("## Inside attention\n\nAt the last probe, averaged over layers and seeds: the "
+            "trace of P and V (fractions of nonzeros flushed or clipped, fraction of blocks "
+            "whose scale underflowed, relative errors), each layer's gradient error against "
+            "exact attention on the same activations, attention entropy and largest logit, "
+            "and future leakage (largest logit change at positions before a changed token; "
+            "0 for causal attention).\n\n"
+            + markdown_table(mean, {"task": "task", "arm": "arm", **columns,
+                                    "leak_max_abs": "leak", "leak_rel": "leak rel."}) + "\n")
+    around = around_divergence(table, probes, evals)
+    if len(around):
+        text += ("Around each divergence (the probe before the divergence step, and the "
+                 "first at or after it):\n\n" + markdown_table(around, {
+                     "arm": "arm", "seed": "seed", "when": "when", "step": "step",
+                     "val_loss": "val. loss", **columns, "leak_max_abs": "leak"}) + "\n")
+    else:
+        text += "No run diverged, so there are no statistics around a divergence step.\n\n"
+    return text
+
+
+# -- figures ------------------------------------------------------------------------------------
+def _colors(arms) -> dict:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    return {arm: cmap(i % 20) for i, arm in enumerate(arms)}
+
+
+def _figures(config, metrics, table, probes, evals, records) -> dict[str, Figure]:
+    figures = {}
+    colors = _colors(list(dict.fromkeys(metrics["arm"])))
+    styles = {seed: s for seed, s in zip(config.seeds, ["-", "--", ":", "-."] * 8,
+                                         strict=False)}
+    for task, rows in metrics.groupby("task", sort=False):
+        figures[f"curves_{task}"] = _curves(config, rows, colors, styles, table)
+        figures[f"probes_{task}"] = _probe_curves(probes[probes["task"] == task],
+                                                  evals[evals["task"] == task], colors, styles)
+    figures["published"] = _published_figure(config, table, evals, records)
+    return figures
+
+
+def _curves(config, rows, colors, styles, table) -> Figure:
+    fig = Figure(figsize=(11, 8), layout="constrained")
+    axes = fig.subplots(3, 1, sharex=True)
+    for (arm, seed), run in rows.groupby(["arm", "seed"], sort=False):
+        reference = rows[(rows["arm"] == REFERENCE_ARM) & (rows["seed"] == seed)]
+        style = dict(color=colors[arm], linestyle=styles[seed], linewidth=1)
+        label = f"{arm} seed {seed}"
+        axes[0].plot(run["tokens"], run["loss"], label=label, **style)
+        gap = rolling_gap(config, run, reference)
+        axes[1].plot(run["tokens"].values, gap.reindex(run["step"]).values, **style)
+        axes[2].plot(run["tokens"], run["grad_norm"], **style)
+        found = table[(table["arm"] == arm) & (table["seed"] == seed) & table["diverged"]]
+        for tokens in found["divergence_tokens"]:
+            axes[1].axvline(tokens, color=colors[arm], linestyle=styles[seed], alpha=0.5)
+    axes[1].axhline(config.divergence_margin, color="black", linewidth=0.8)
+    axes[0].set_ylabel("training loss")
+    axes[1].set_ylabel(f"rolling loss gap to {REFERENCE_ARM}")
+    axes[2].set_ylabel("gradient norm")
+    axes[2].set_yscale("log")
+    axes[2].set_xlabel("training tokens")
+    axes[0].legend(fontsize=6, ncol=4)
+    return fig
+
+
+def _probe_curves(probes, evals, colors, styles) -> Figure:
+    panels = [("val_loss", "validation loss", evals), ("p_flushed", "P flushed", probes),
+              ("v_clipped", "V clipped", probes), ("dq_err_vs_exact", "dQ error vs exact",
+                                                   probes),
+              ("leak_max_abs", "future leakage (max |logit change|)", evals),
+              ("max_logit", "largest logit", probes)]
+    fig = Figure(figsize=(12, 6.5), layout="constrained")
+    for ax, (column, title, frame) in zip(fig.subplots(2, 3).flat, panels, strict=True):
+        for (arm, seed), run in frame.groupby(["arm", "seed"], sort=False):
+            if column in run and run[column].notna().any():
+                ax.plot(run["tokens"], run[column], color=colors[arm], linestyle=styles[seed],
+                        marker=".", linewidth=1, label=f"{arm} {seed}")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("training tokens", fontsize=8)
+    fig.axes[0].legend(fontsize=6, ncol=2)
+    return fig
+
+
+def _published_figure(config, table, evals, records) -> Figure:
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    curves = records["curves"]
+    run = next(r for r in records["runs"] if r["id"] == curves["run"])
+    tokens = [max(1, (u + 1) * run["tokens_per_update"]) for u in curves["update"]]
+    ref = np.array(curves["val_loss"]["bf16"])
+    for route in ("fp8pv", "mxfp4pv"):
+        left.plot(tokens, np.array(curves["val_loss"][route]) - ref, marker="o",
+                  label=f"published 1.2B {route}")
+    text = evals[evals["task"] == "text"]  # the published runs are language models
+    ours = text.merge(text[text["arm"] == REFERENCE_ARM][["seed", "step", "val_loss"]],
+                      on=["seed", "step"], suffixes=("", "_ref"))
+    ours = ours.assign(gap=ours["val_loss"] - ours["val_loss_ref"])
+    for arm in ("fp8pv", "mxfp4pv", "mxfp4pv_d64"):
+        mine = ours[ours["arm"] == arm].groupby("tokens")["gap"].mean()
+        if len(mine):
+            left.plot(np.maximum(mine.index.values, 1), mine.values, marker=".", linestyle="--",
+                      label=f"this study {arm} (mean over seeds)")
+    left.set_xscale("log")
+    left.set_xlabel("training tokens (the initial model at 1)")
+    left.set_ylabel(f"validation loss minus {REFERENCE_ARM}'s (text)")
+    left.legend(fontsize=7)
+    _horizons(right, table, records)
+    return fig
+
+
+def _horizons(ax, table, records) -> None:
+    """Tokens trained per run (bars) and where MXFP4 P/V diverged (crosses)."""
+    frame = _published_table(records)
+    labels, y = [], 0
+    for _, r in frame.iterrows():
+        ax.barh(y, r["tokens_trained"], color="lightgray")
+        if r["mxfp4pv"] == "diverged":
+            ax.plot(r["divergence_tokens"], y, "rx", markersize=9)
+        labels.append(f"published {r['run']}")
+        y += 1
+    for (arm, task), rows in table[table["arm"].str.startswith("mxfp4pv")].groupby(
+            ["arm", "task"], sort=False):
+        ax.barh(y, rows["tokens"].max(), color="steelblue")
+        for tokens in rows.loc[rows["diverged"], "divergence_tokens"]:
+            ax.plot(tokens, y, "rx", markersize=9)
+        labels.append(f"this study {arm} ({task})")
+        y += 1
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens (x: MXFP4 P/V diverged)")

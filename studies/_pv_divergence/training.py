@@ -8,9 +8,14 @@ stochastic rounding of step s from (`sr_seed`, s, layer); nothing reads torch's 
 random state after initialisation. A checkpoint (every `checkpoint_every` steps, in the
 cell's scratch folder) holds the model, the optimizer, the step, the rows logged so far and
 torch's random states; resuming from it repeats the uninterrupted run bit for bit on the same
-device. Under DDP the global batch is drawn once and rank r takes rows r*b..(r+1)*b of it, so
-the same global batch gives the same losses as one process up to the rounding of the
-gradient all-reduce.
+device. Under DDP the global batch is drawn once and rank r takes rows r*b..(r+1)*b of it;
+each rank's loss is its sum over its targets divided by the global batch's number of
+targets, and the gradients are summed over the ranks (a comm hook in place of DDP's mean), so
+the gradient reaching attention (its dO) is the very tensor one process computes: recipes
+with fixed scales (fp4-fa4's E5M2(4 dO)) flush the same elements, and the same global batch
+gives the same losses as one process up to the rounding of the all-reduce. A recipe with a
+scale over a whole tensor (``nvfp4pv``'s V, the E4M3 QKV projections) couples the sequences
+of a batch, so its numbers depend on how the batch is split.
 
 The run stops early, marked diverged, at the first non-finite training loss (an optimizer
 step on NaN gradients would only carry NaN on).
@@ -110,13 +115,19 @@ class Ranks:
     world: int = 1
     group: object = None
 
-    def mean(self, value: float) -> float:
-        """The mean of `value` over the ranks (over the framework's gloo group)."""
+    def sum(self, value: float) -> float:
+        """The sum of `value` over the ranks (over the framework's gloo group)."""
         if self.world == 1:
             return value
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t)
-        return float(t) / self.world
+        return float(t)
+
+
+def _sum_gradients(group, bucket):
+    """A DDP comm hook: the bucket's gradients summed over the ranks (DDP's own averages)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda done: done.value()[0])
 
 
 _NCCL_GROUP = None
@@ -194,19 +205,23 @@ class Run:
             self.trained = DistributedDataParallel(
                 self.model, device_ids=[torch.device(device)] if device.startswith("cuda")
                 else None, process_group=ranks.group)
+            self.trained.register_comm_hook(ranks.group, _sum_gradients)
         self.checkpoints = Checkpoints(scratch, spec, ranks)
         self.rows = {"metrics": [], "evals": [], "layers": []}
         self.step, self.train_seconds, self.nonfinite_step = 0, 0.0, None
         self.val = [self.batch("val", i) for i in range(spec.val_batches)]
 
-    def batch(self, split: str, step: int, local: bool = False):
+    def batch(self, split: str, step: int):
         spec = self.spec
         x, y = self.task.batch(split, spec.data_seed, step, spec.batch, spec.model.seq_len)
-        if local:
-            share = spec.batch // self.ranks.world
-            x = x[self.ranks.rank * share : (self.ranks.rank + 1) * share]
-            y = y[self.ranks.rank * share : (self.ranks.rank + 1) * share]
         return x.to(self.device), y.to(self.device)
+
+    def local_batch(self, step: int):
+        """This rank's rows of the global training batch, and the global number of targets."""
+        x, y = self.batch("train", step)
+        share = self.spec.batch // self.ranks.world
+        rows = slice(self.ranks.rank * share, (self.ranks.rank + 1) * share)
+        return x[rows], y[rows], int((y >= 0).sum())
 
     def call(self, step: int, trace=None) -> AttentionCall:
         recipe = self.arm.recipe
@@ -242,15 +257,16 @@ class Run:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         start = time.perf_counter()
-        x, y = self.batch("train", step, local=True)
+        x, y, targets = self.local_batch(step)
         with self.autocast():
             logits = self.trained(x, self.call(step))
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1,
+                                   reduction="sum") / targets
         loss.backward()
         norms = self._grad_norms()
         if self.arm.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.arm.grad_clip)
-        value = self.ranks.mean(float(loss.detach()))
+        value = self.ranks.sum(float(loss.detach()))
         if math.isfinite(value):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -282,9 +298,7 @@ class Run:
         head = {"step": self.step - 1, "tokens": self.step * spec.batch * spec.model.seq_len}
         val = probes.validation_loss(model, self.val, call, self.autocast)
         x, y = (t[: spec.probe_rows] for t in self.val[0])
-        leak = probes.leakage(model, x, spec.model.seq_len // 2 + 16 if spec.model.seq_len
-                              >= 64 else spec.model.seq_len // 2, model.config.vocab_size,
-                              call, self.autocast)
+        leak = probes.leakage(model, x, model.config.vocab_size, call, self.autocast)
         self.rows["evals"].append({**head, "val_loss": val, **leak})
         for row in probes.traced_step(model, x, y, call, self.autocast):
             self.rows["layers"].append({**head, **row})

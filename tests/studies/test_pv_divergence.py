@@ -1,0 +1,238 @@
+"""The pv-divergence study (studies/pv_divergence.py): its smoke preset's outputs, the
+divergence rule on made-up curves, the data, resumption from a checkpoint mid-run, reruns,
+and two gloo ranks against one process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fp4lab.studies import load_study, run_study
+
+ROOT = Path(__file__).resolve().parents[2]
+STUDY = load_study("pv-divergence").module
+PARTS = STUDY.PARTS
+TABLES = ("metrics", "evals", "layers", "runs", "divergence", "causes")
+# a short run of a deterministic and a stochastic arm, for the rerun and resume checks
+SHORT = ["arms=bf16,mxfp4pv_sr_v", "tasks=text", "seeds=0", "steps=20"]
+TIMING = ["step_seconds", "train_seconds", "tokens_per_second"]
+
+
+def tables(out: Path) -> dict[str, pd.DataFrame]:
+    return {name: pd.read_parquet(out / f"{name}.parquet") for name in TABLES}
+
+
+def assert_same_numbers(a: dict, b: dict) -> None:
+    """Every table equal, the wall-clock columns aside."""
+    for name in TABLES:
+        drop = [c for c in TIMING if c in a[name]]
+        pd.testing.assert_frame_equal(a[name].drop(columns=drop), b[name].drop(columns=drop),
+                                      obj=name)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pv") / "smoke"
+    run_study("pv-divergence", "smoke", out=out, quiet=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pv") / "short"
+    run_study("pv-divergence", "smoke", SHORT, out=out, quiet=True)
+    return out
+
+
+# -- the smoke preset -------------------------------------------------------------------------
+def test_smoke_writes_every_table_figure_and_section(smoke):
+    config = STUDY.PRESETS["smoke"]
+    for name in ("config.json", "environment.json", "report.md", "metrics.csv",
+                 *(f"{t}.parquet" for t in TABLES)):
+        assert (smoke / name).is_file(), name
+    figures = {p.stem for p in (smoke / "figures").glob("*.png")}
+    assert figures == {f"{kind}_{task}" for kind in ("curves", "probes")
+                       for task in config.tasks} | {"published"}
+    assert not (smoke / "scratch").exists()  # checkpoints deleted once the cells are stored
+    report = (smoke / "report.md").read_text()
+    for heading in ("## Setup", "## The divergence rule", "## What the numbers show",
+                    "## Divergence", "## Inside attention", "## Causes and fixes",
+                    "## Against the published records"):
+        assert heading in report
+    assert "MrHuff/fp4-fa4" in report and "sha256" in report
+
+
+def test_smoke_has_a_finite_curve_for_every_run(smoke):
+    config, found = STUDY.PRESETS["smoke"], tables(smoke)
+    metrics, runs = found["metrics"], found["runs"]
+    counts = metrics.groupby(["task", "seed", "arm"]).size()
+    assert len(counts) == len(config.tasks) * len(config.seeds) * len(config.arms)
+    assert (counts == config.steps).all()
+    columns = ["loss", "grad_norm", "lr", *(f"attn_grad_norm_{i}" for i in
+                                            range(config.n_layer))]
+    assert np.isfinite(metrics[columns].to_numpy()).all()
+    assert np.isfinite(runs[["val_loss", "val_loss_exact_attention"]].to_numpy()).all()
+    assert (found["evals"].groupby(["task", "seed", "arm"]).size()
+            == config.steps // config.eval_every + 1).all()
+    layers = found["layers"]
+    assert np.isfinite(layers[["entropy", "max_logit", "dq_err_vs_exact",
+                               "dv_err_vs_exact"]].to_numpy()).all()
+    assert len(found["divergence"]) == len(counts)
+    assert runs.loc[runs["task"] == "text", "corpus_train_sha256"].nunique() == 1
+
+
+def test_smoke_leakage_is_zero_without_sequence_blocks_and_gone_with_the_fix(smoke):
+    """Causal attention with per-element or fixed scales cannot see later tokens; MXFP4 V's
+    blocks of 32 along the sequence can, and MatX's fix removes exactly that."""
+    evals = tables(smoke)["evals"]
+    leak = evals.groupby("arm")["leak_max_abs"].max()
+    assert leak["bf16"] == 0 and leak["fp8pv"] == 0 and leak["mxfp4pv_leakfix"] == 0
+    assert leak["mxfp4pv"] > 0
+
+
+# -- the divergence rule ----------------------------------------------------------------------
+def _curves(**arms) -> pd.DataFrame:
+    rows = [{"task": "text", "seed": 0, "arm": arm, "step": s, "loss": float(loss[s]),
+             "grad_norm": 1.0} for arm, loss in arms.items() for s in range(len(loss))]
+    return pd.DataFrame(rows)
+
+
+def test_divergence_rule_on_made_up_curves():
+    """Window 4, margin 0.15, patience 2: a gap of 0.2 from step 10 on makes the rolling
+    mean exceed 0.15 from step 12 (3 of 4 steps at 0.2) and the rule fire at step 13; a NaN
+    loss diverges at once; a gap of 0.1 never does but passes the split margin 0.08."""
+    config = STUDY.PVDivergenceConfig(divergence_window=4, divergence_patience=2,
+                                      divergence_margin=0.15, split_margin=0.08)
+    base = np.linspace(5, 3, 30)
+    nan = base.copy()
+    nan[7] = math.nan
+    metrics = _curves(bf16=base, late=base + 0.2 * (np.arange(30) >= 10), nan=nan,
+                      small=base + 0.1)
+    runs = pd.DataFrame([{"task": "text", "seed": 0, "arm": a, "val_loss": 1.0,
+                          "val_loss_exact_attention": 1.0, "tokens": 1, "tokens_per_second": 1}
+                         for a in ("bf16", "late", "nan", "small")])
+    table = PARTS["report"].divergence_table(config, metrics, runs).set_index("arm")
+    assert table.loc["late", "divergence_step"] == 13 and table.loc["late", "split_step"] == 11
+    assert table.loc["nan", "divergence_step"] == 7 and table.loc["nan", "nonfinite_step"] == 7
+    assert not table.loc["small", "diverged"] and table.loc["small", "split_step"] == 3
+    assert not table.loc["bf16", "diverged"]
+
+
+# -- the data ---------------------------------------------------------------------------------
+def test_recall_batches_take_the_loss_on_the_answers_only():
+    task = PARTS["corpora"].RecallTask(keys=16, values=16, pairs=4)
+    x, y = task.batch("train", 3, 0, batch=5, seq_len=31)
+    assert x.shape == y.shape == (5, 31)
+    seq = torch.cat([x, y[:, -1:]], dim=1)
+    for row in range(5):
+        pairs = dict(zip(seq[row, 0:8:2].tolist(), seq[row, 1:8:2].tolist(), strict=True))
+        assert len(pairs) == 4
+        answers = (y[row] >= 0).nonzero().flatten()
+        assert len(answers) == 4
+        for i in answers.tolist():  # after a queried key, its value
+            assert y[row, i] == pairs[x[row, i].item()]
+    again = task.batch("train", 3, 0, batch=5, seq_len=31)
+    assert torch.equal(again[0], x) and torch.equal(again[1], y)
+
+
+def test_text_corpus_is_deterministic_and_split_by_document_name():
+    corpora = PARTS["corpora"]
+    corpus = corpora.text_corpus(200_000, 0.1)
+    assert len(corpus.train) + len(corpus.val) == 200_000
+    assert int((corpus.train == 0).sum() + (corpus.val == 0).sum()) >= corpus.documents
+    x, y = corpus.batch("train", 0, 5, batch=2, seq_len=16)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert corpora.text_corpus(200_000, 0.1) is corpus
+    with pytest.raises(ValueError, match="corpus_bytes"):
+        corpora.text_corpus(10, 0.5).batch("val", 0, 0, batch=1, seq_len=64)
+
+
+def test_published_records_cite_their_files():
+    records = PARTS["report"].published_records()
+    assert records["repository"] == "MrHuff/fp4-fa4"
+    statuses = [run["status"]["mxfp4pv"] for run in records["runs"] if "mxfp4pv" in
+                run["status"]]
+    assert any("diverged" in s for s in statuses) and any(s == "stable" for s in statuses)
+    for run in records["runs"]:
+        assert run["paths"] and all(p.startswith("results/") for p in run["paths"])
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"arms": ("fp8pv",)}, "arms must include 'bf16'"),
+    ({"arms": ("bf16", "mxfp5")}, "arms: 'mxfp5' is not an arm"),
+    ({"seq_len": 48}, "seq_len must be a multiple of 32"),
+    ({"n_embd": 72, "n_head": 3}, "a whole multiple of 16"),
+    ({"tasks": ("speech",)}, "tasks: 'speech'"),
+    ({"probe_rows": 99}, "probe_rows"),
+], ids=["no-reference", "unknown-arm", "seq-len", "head-dim", "task", "probe-rows"])
+def test_config_refuses_what_cannot_run(change, words):
+    with pytest.raises(ValueError, match=words):
+        STUDY.PVDivergenceConfig(**change)
+
+
+# -- reruns, resumption, ranks ----------------------------------------------------------------
+def test_same_seed_gives_the_same_curves(short, tmp_path):
+    run_study("pv-divergence", "smoke", SHORT, out=tmp_path / "again", quiet=True)
+    assert_same_numbers(tables(short), tables(tmp_path / "again"))
+
+
+def test_a_run_interrupted_mid_cell_resumes_from_its_checkpoint_to_the_same_curve(
+        short, tmp_path, monkeypatch):
+    """Cell 1 (the stochastic arm) is interrupted at step 13, after its checkpoint at step
+    8: --resume loads model, optimizer, rows and random state from the scratch folder and
+    repeats steps 9 to 13 bit for bit."""
+    training = PARTS["training"]
+    seen = []
+
+    def interrupt(step):
+        seen.append(step)
+        if len(seen) == 20 + 13:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(training, "after_step", interrupt)
+    out = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        run_study("pv-divergence", "smoke", SHORT, out=out, quiet=True)
+    assert torch.load(out / "scratch" / "00001" / "checkpoint.pt",
+                      weights_only=True)["step"] == 8
+    seen.clear()
+    monkeypatch.setattr(training, "after_step", lambda step: seen.append(step))
+    run_study("pv-divergence", "smoke", SHORT, out=out, quiet=True, resume=True)
+    assert seen == list(range(9, 21))
+    assert_same_numbers(tables(short), tables(out))
+
+
+def test_two_gloo_ranks_give_the_losses_of_one_process(tmp_path):
+    """torchrun with 2 ranks trains each cell with DDP, the global batch of 8 split 4 + 4:
+    the losses of one process to float32 rounding, MXFP4 P/V's fixed-scale backward
+    included (each rank's loss is over the global count of targets). The first step agrees
+    to 1e-6; the all-reduce's rounding then grows through training (bf16 roundings flip)."""
+    overrides = ["arms=bf16,mxfp4pv", "tasks=text", "seeds=0", "steps=10"]
+    one = tmp_path / "one"
+    run_study("pv-divergence", "smoke", overrides, out=one, quiet=True)
+    script = tmp_path / "launch.py"
+    script.write_text("import sys\nfrom fp4lab.studies import run_study\n"
+                      "run_study('pv-divergence', 'smoke', sys.argv[2:], out=sys.argv[1], "
+                      "quiet=True)\n")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script),
+                    str(tmp_path / "two"), *overrides], cwd=ROOT, check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                   timeout=150)
+    a, b = tables(one), tables(tmp_path / "two")
+    first = a["metrics"]["step"] == 0
+    np.testing.assert_allclose(b["metrics"]["loss"][first], a["metrics"]["loss"][first],
+                               rtol=1e-6)
+    np.testing.assert_allclose(b["metrics"]["loss"], a["metrics"]["loss"], rtol=1e-4)
+    np.testing.assert_allclose(b["runs"]["val_loss"], a["runs"]["val_loss"], rtol=1e-5)
+    sessions = json.loads((tmp_path / "two" / "environment.json").read_text())["sessions"]
+    assert sessions[0]["world_size"] == 2
