@@ -160,8 +160,11 @@ class PVDivergenceConfig:
                                  f"{values}")
 
 
-_VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_rceil_v",
-             "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv")
+# the variants of the full preset: the 1.2B records' route, MXFP4 on P or V alone, and the
+# mechanisms mxfp4-pv-mechanisms names for training (denominator, anchor, leakage), the
+# published runs' E4M3 projections
+_VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_no_rowcorr",
+             "mxfp4pv_running_max", "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv")
 PRESETS = {
     "smoke": PVDivergenceConfig(
         arms=("bf16", "fp8pv", "mxfp4pv", "mxfp4_v_only", "mxfp4pv_leakfix"), seeds=(0, 1),
@@ -170,7 +173,8 @@ PRESETS = {
         checkpoint_every=8, corpus_bytes=600_000, recall_pairs=8, tile=64,
         divergence_window=8, divergence_patience=2,
     ),
-    "full": PVDivergenceConfig(arms=("bf16", "sdpa", "fp8pv", "mxfp4pv", *_VARIANTS)),
+    "full": PVDivergenceConfig(arms=("bf16", "sdpa", "fp8pv", "mxfp4pv", *_VARIANTS),
+                               steps=400, warmup=40),
     "long": PVDivergenceConfig(
         arms=tuple(ARMS), seeds=(0, 1, 2), tasks=("text", "recall"), n_layer=6, n_head=6,
         n_embd=384, seq_len=1024, batch=32, steps=5000, warmup=250, eval_every=250,

@@ -5,7 +5,9 @@ The three published routes are presets of `fp4lab.recipes`; every variant change
 of one of them with `dataclasses.replace`, using named block formats of `fp4lab.formats`, so
 that a difference between two arms' curves has one candidate explanation. `CAUSES` pairs each
 candidate cause of the MXFP4 P/V divergence with the arm that tests it and the arm it is
-compared with.
+compared with; it covers the mechanisms the mxfp4-pv-mechanisms study names for training
+(the represented denominator, P's and V's E8M0 rules, P's anchor and exponent floor, V's
+leaking blocks).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fp4lab.recipes import (
     FLASH_BF16,
     AttentionRecipe,
     BackwardV,
+    RowReference,
     RowSum,
 )
 
@@ -86,6 +89,11 @@ ARMS: dict[str, Arm] = {
     "mxfp4pv_no_rowcorr": Arm(_variant(_MX, "mxfp4pv_no_rowcorr", row_sum=RowSum.UNQUANTIZED_P),
                               "MXFP4 P/V with the denominator from the unquantized P (no row "
                               "correction)"),
+    "mxfp4pv_running_max": Arm(
+        _variant(_MX, "mxfp4pv_running_max", row_reference=RowReference.RUNNING_MAX,
+                 p_min_exponent=None),
+        "MXFP4 P/V with P against the running row maximum and no exponent floor (the anchor "
+        "and the underflow it causes removed)"),
     "nvfp4pv": Arm(_variant(FA4FP4_CAUSAL, "fp8pv_nvfp4pv", p=NVFP4, v=NVFP4),
                    "NVFP4 P/V (E4M3 scales per 16, FP32 tensor scale) on the FP8 route"),
     "ue5m3pv": Arm(_variant(FA4FP4_CAUSAL, "fp8pv_ue5m3pv", p=NVFP4_UE5M3, v=NVFP4_UE5M3),
@@ -120,6 +128,8 @@ CAUSES = (
     Cause("V's block maximum clipped by the 1.203125 rule", "mxfp4pv_rceil_v", "mxfp4pv", "fix"),
     Cause("biased (nearest) rounding of V", "mxfp4pv_sr_v", "mxfp4pv", "fix"),
     Cause("the row-corrected denominator", "mxfp4pv_no_rowcorr", "mxfp4pv", "fix"),
+    Cause("P's anchor row reference and exponent floor (underflow)", "mxfp4pv_running_max",
+          "mxfp4pv", "fix"),
     Cause("4-bit P/V at all (NVFP4, finer scales)", "nvfp4pv", "fp8pv", "cause"),
     Cause("the scale format's range (UE5M3)", "ue5m3pv", "fp8pv", "cause"),
     Cause("future leakage through V's sequence blocks", "mxfp4pv_leakfix", "mxfp4pv", "fix"),

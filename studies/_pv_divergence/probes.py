@@ -1,7 +1,8 @@
 """What the study measures every few steps, on a copy of the model (never the one training):
 
 - validation loss with the training recipe;
-- one traced forward and backward of a probe batch: `fp4lab.Trace`'s statistics of P and V
+- one traced forward and backward of a probe batch on the reference backend (the
+  instrumented simulation, whatever backend trains): `fp4lab.Trace`'s statistics of P and V
   (flushed fraction and lost mass of P, clipped fraction and scale under/overflow of V, the
   operands' errors, the softmax denominator's error) per layer; each layer's attention
   entropy and largest logit from its q and k; and each layer's gradient error against exact
@@ -63,7 +64,8 @@ def validation_loss(model: GPT, batches, call: AttentionCall, autocast) -> float
 def traced_step(model: GPT, x, y, call: AttentionCall, autocast) -> list[dict]:
     """One traced forward and backward of (x, y): a row per layer (see the module)."""
     model.capture, trace = Capture(), fp4lab.Trace()
-    traced = AttentionCall(call.recipe, call.backend, call.block, call.seed,
+    # the trace is the reference path's (the instrumented simulation; Triton has none)
+    traced = AttentionCall(call.recipe, "reference", call.block, call.seed,
                            trace if call.recipe is not None else None)
     with autocast():
         loss = loss_of(model, x, y, traced)
