@@ -8,11 +8,10 @@ replaced by rotary ones, RoFormer, arXiv 2104.09864, the pairing of Llama's ``ro
 Why. The question is what a quantized P/V does to training, so the attention recipe must be
 the only quantization: every matrix product outside attention runs in bf16 under autocast on
 a GPU and in float32 on the CPU, and attention itself is `fp4lab.attention` with the run's
-recipe and backend (autocast off inside it: the simulation keeps its own precision). Two
-other attention paths exist for comparison: ``sdpa`` (torch's
-``F.scaled_dot_product_attention``, the speed baseline) and the same recipe run through
-`fp4lab.attention` with another recipe on the same weights (`GPT.forward`'s ``recipe``: the
-exact-attention evaluation of a model trained with a quantized one).
+recipe and backend (autocast off inside it: the simulation keeps its own precision). How
+every layer attends is one `AttentionCall` passed to `GPT.forward`, so the same weights can be
+evaluated with another recipe (exact attention on a model trained with a quantized one); a
+call without a recipe runs torch's ``F.scaled_dot_product_attention`` (the speed baseline).
 
 The QKV projection can take a block format on its input and weight (``qkv_format``, e.g.
 ``fp8_e4m3_tensor``): `fp4lab.fake_quantize` with a straight-through gradient, modelling the
