@@ -28,7 +28,8 @@ CAUSE_COLUMNS = ["task", "cause", "kind", "arm", "baseline", "arm_diverged",
                  "evidence_for", "evidence_against"]
 RUN_KEYS = ["task", "seed", "arm"]
 PROBE_COLUMNS = {  # layers-table column: heading
-    "p_flushed": "P flushed", "p_mass_lost": "P mass lost", "v_err": "V rel. err",
+    "p_flushed": "P flushed", "p_mass_lost": "P mass lost", "p_clipped": "P clipped",
+    "p_scale_underflow": "P scale underflow", "v_err": "V rel. err",
     "v_clipped": "V clipped", "v_scale_underflow": "V scale underflow",
     "out_err": "O rel. err", "dq_err_vs_exact": "dQ err", "dk_err_vs_exact": "dK err",
     "dv_err_vs_exact": "dV err", "entropy": "entropy", "max_logit": "max logit",
@@ -98,13 +99,16 @@ def layer_means(layers: pd.DataFrame) -> pd.DataFrame:
     return layers.groupby(RUN_KEYS + ["step", "tokens"], sort=False)[columns].mean().reset_index()
 
 
-def around_divergence(table: pd.DataFrame, probes: pd.DataFrame,
-                      evals: pd.DataFrame) -> pd.DataFrame:
-    """For each diverged run: its probes just before and at/after its divergence step."""
+def around_divergence(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame,
+                      metrics: pd.DataFrame) -> pd.DataFrame:
+    """For each diverged run: its probes just before and at/after its divergence step, with
+    the training loss and gradient norm of those steps."""
     rows = []
+    steps = metrics[RUN_KEYS + ["step", "loss", "grad_norm"]]
     for _, run in table[table["diverged"]].iterrows():
         mine = probes[(probes[RUN_KEYS] == run[RUN_KEYS].values).all(axis=1)]
         mine = mine.merge(evals, on=RUN_KEYS + ["step", "tokens"], how="left")
+        mine = mine.merge(steps, on=RUN_KEYS + ["step"], how="left")
         before = mine[mine["step"] < run["divergence_step"]].tail(1)
         after = mine[mine["step"] >= run["divergence_step"]].head(1)
         for when, found in (("before", before), ("after", after)):
@@ -318,7 +322,7 @@ def report(config, metrics: pd.DataFrame, tables: dict):
         "nonfinite_step": "non-finite step", "max_rolling_gap": "max rolling gap",
         "max_grad_norm": "max grad norm", "val_loss": "final val. loss",
         "val_gap": "val. gap", "exact_minus_trained": "exact attention - own"}) + "\n")
-    text += _inside(table, probes, evals)
+    text += _inside(table, probes, evals, metrics)
     text += ("## Causes and fixes\n\nEach candidate, the arm that tests it and its baseline "
              "(a cause is added to a stable route, a fix applied to the diverging one); the "
              "evidence is the divergence counts and the paired (same seed) final validation "
@@ -332,7 +336,8 @@ def report(config, metrics: pd.DataFrame, tables: dict):
     return text, figures, {"divergence": table, "causes": causes}
 
 
-def _inside(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame) -> str:
+def _inside(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame,
+            metrics: pd.DataFrame) -> str:
     columns = {c: h for c, h in PROBE_COLUMNS.items() if c in probes}
     last = probes.loc[probes.groupby(RUN_KEYS, sort=False)["step"].idxmax()]
     last = last.merge(evals[RUN_KEYS + ["step", "leak_max_abs", "leak_rel"]],
@@ -347,11 +352,12 @@ def _inside(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame) -> s
             "0 for causal attention).\n\n"
             + markdown_table(mean, {"task": "task", "arm": "arm", **columns,
                                     "leak_max_abs": "leak", "leak_rel": "leak rel."}) + "\n")
-    around = around_divergence(table, probes, evals)
+    around = around_divergence(table, probes, evals, metrics)
     if len(around):
         text += ("Around each divergence (the probe before the divergence step, and the "
                  "first at or after it):\n\n" + markdown_table(around, {
-                     "arm": "arm", "seed": "seed", "when": "when", "step": "step",
+                     "task": "task", "arm": "arm", "seed": "seed", "when": "when",
+                     "step": "step", "loss": "train loss", "grad_norm": "grad norm",
                      "val_loss": "val. loss", **columns, "leak_max_abs": "leak"}) + "\n")
     else:
         text += "No run diverged, so there are no statistics around a divergence step.\n\n"

@@ -317,6 +317,7 @@ class Run:
                                                                self.autocast),
             "nonfinite_step": self.nonfinite_step, "train_seconds": self.train_seconds,
             "tokens_per_second": tokens / self.train_seconds if self.train_seconds else None,
+            "init_seed": spec.init_seed, "data_seed": spec.data_seed, "sr_seed": spec.sr_seed,
         }
 
 

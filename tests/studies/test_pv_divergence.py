@@ -236,3 +236,40 @@ def test_two_gloo_ranks_give_the_losses_of_one_process(tmp_path):
     np.testing.assert_allclose(b["runs"]["val_loss"], a["runs"]["val_loss"], rtol=1e-5)
     sessions = json.loads((tmp_path / "two" / "environment.json").read_text())["sessions"]
     assert sessions[0]["world_size"] == 2
+
+
+def test_report_of_a_made_up_divergence_shows_it_around_and_in_the_causes():
+    """Tables where mxfp4pv's loss rises 0.3 above bf16 from step 20 in both seeds and the
+    leakage fix's does not: the report names the divergence, shows the probes before and
+    after it, and counts the fix as evidence."""
+    config = STUDY.PVDivergenceConfig(arms=("bf16", "fp8pv", "mxfp4pv", "mxfp4pv_leakfix"),
+                                      tasks=("text",), seq_len=64, batch=2, steps=40,
+                                      eval_every=10, divergence_window=4,
+                                      divergence_patience=2)
+    steps, base = np.arange(40), np.linspace(5, 3, 40)
+    gaps = {"bf16": 0 * base, "fp8pv": 0.01 + 0 * base, "mxfp4pv": 0.3 * (steps >= 20),
+            "mxfp4pv_leakfix": 0.02 + 0 * base}
+    key = [{"task": "text", "seed": seed, "arm": arm} for seed in (0, 1) for arm in gaps]
+    metrics = pd.DataFrame([{**k, "step": s, "tokens": (s + 1) * 128, "lr": 1e-3,
+                             "loss": base[s] + gaps[k["arm"]][s], "grad_norm": 1.0}
+                            for k in key for s in steps])
+    probe_steps = [-1, 9, 19, 29, 39]
+    evals = pd.DataFrame([{**k, "step": s, "tokens": (s + 1) * 128, "val_loss": 4.0,
+                           "leak_max_abs": 0.0, "leak_rel": 0.0}
+                          for k in key for s in probe_steps])
+    layers = pd.DataFrame([{**k, "step": s, "tokens": (s + 1) * 128, "layer": 0,
+                            **{c: 0.1 for c in PARTS["report"].PROBE_COLUMNS}}
+                           for k in key for s in probe_steps])
+    runs = pd.DataFrame([{**k, "val_loss": 3.0 + gaps[k["arm"]][-1],
+                          "val_loss_exact_attention": 3.0, "tokens": 40 * 128,
+                          "tokens_per_second": 1.0} for k in key])
+    text, figures, derived = STUDY.report(config, metrics, {"evals": evals, "layers": layers,
+                                                            "runs": runs})
+    table = derived["divergence"].set_index(["seed", "arm"])
+    assert table.loc[(0, "mxfp4pv"), "divergence_step"] == 23  # above 0.15 from 22
+    assert not table.loc[(0, "mxfp4pv_leakfix"), "diverged"]
+    assert "text, mxfp4pv: diverged in 2 of 2 seeds (first at step 23)" in text
+    assert "Around each divergence" in text and "Null result" not in text
+    fix = derived["causes"].set_index("arm").loc["mxfp4pv_leakfix"]
+    assert fix["evidence_for"].startswith("diverged in 0/2 seeds where mxfp4pv did in 2/2")
+    assert set(figures) == {"curves_text", "probes_text", "published"}
