@@ -63,14 +63,17 @@ def validation_loss(model: GPT, batches, call: AttentionCall, autocast) -> float
     return sum(losses) / len(losses)
 
 
-def traced_step(model: GPT, x, y, call: AttentionCall, autocast) -> list[dict]:
-    """One traced forward and backward of (x, y): a row per layer (see the module)."""
+def traced_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int) -> list[dict]:
+    """One traced forward and backward of (x, y): a row per layer (see the module). The loss
+    is normalized as a training step's over `batch` such sequences, so that the gradients
+    reaching attention have the training step's size (fixed-scale formats such as E5M2(4 dO)
+    flush by size)."""
     model.capture, trace = Capture(), fp4lab.Trace()
     # the trace is the reference path's (the instrumented simulation; Triton has none)
     traced = AttentionCall(call.recipe, "reference", call.block, call.seed,
                            trace if call.recipe is not None else None)
     with autocast():
-        loss = loss_of(model, x, y, traced)
+        loss = loss_of(model, x, y, traced) * (x.shape[0] / batch)
     loss.backward()
     capture, model.capture = model.capture, None
     model.zero_grad(set_to_none=True)

@@ -300,7 +300,7 @@ class Run:
         x, y = (t[: spec.probe_rows] for t in self.val[0])
         leak = probes.leakage(model, x, model.config.vocab_size, call, self.autocast)
         self.rows["evals"].append({**head, "val_loss": val, **leak})
-        for row in probes.traced_step(model, x, y, call, self.autocast):
+        for row in probes.traced_step(model, x, y, call, self.autocast, spec.batch):
             self.rows["layers"].append({**head, **row})
 
     def finish(self) -> dict:
