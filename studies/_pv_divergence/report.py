@@ -32,7 +32,8 @@ PROBE_COLUMNS = {  # layers-table column: heading
     "p_scale_underflow": "P scale underflow", "v_err": "V rel. err",
     "v_clipped": "V clipped", "v_scale_underflow": "V scale underflow",
     "out_err": "O rel. err", "dq_err_vs_exact": "dQ err", "dk_err_vs_exact": "dK err",
-    "dv_err_vs_exact": "dV err", "entropy": "entropy", "max_logit": "max logit",
+    "dv_err_vs_exact": "dV err", "do_flushed": "dO flushed", "entropy": "entropy",
+    "max_logit": "max logit",
 }
 
 
@@ -266,6 +267,27 @@ def _rule(config) -> str:
         f"the first at which that mean passes {config.split_margin:g} (their warning).\n\n")
 
 
+def last_probes(probes: pd.DataFrame, evals: pd.DataFrame) -> pd.DataFrame:
+    """Each run's last probe (layer means) with its leakage."""
+    last = probes.loc[probes.groupby(RUN_KEYS, sort=False)["step"].idxmax()]
+    return last.merge(evals[RUN_KEYS + ["step", "leak_max_abs", "leak_rel"]],
+                      on=RUN_KEYS + ["step"], how="left")
+
+
+def _inside_summary(last: pd.DataFrame) -> list[str]:
+    lines = []
+    for task, rows in last.groupby("task", sort=False):
+        mean = rows.groupby("arm", sort=False).mean(numeric_only=True)
+        errors = ", ".join(f"{arm} {number(r['dq_err_vs_exact'], 2)} / "
+                           f"{number(r['dk_err_vs_exact'], 2)}" for arm, r in mean.iterrows()
+                           if not math.isnan(r.get("dq_err_vs_exact", float("nan"))))
+        leaking = [arm for arm, r in mean.iterrows() if r["leak_max_abs"] > 0]
+        lines.append(f"{task}, inside attention at the last probe: dQ / dK error against exact "
+                     f"attention on the same activations {errors}; later tokens move earlier "
+                     f"logits in {', '.join(leaking) or 'no arm'}.")
+    return lines
+
+
 def _summary(config, table: pd.DataFrame, causes: pd.DataFrame) -> list[str]:
     lines = []
     for (task, arm), rows in table.groupby(["task", "arm"], sort=False):
@@ -285,9 +307,10 @@ def _summary(config, table: pd.DataFrame, causes: pd.DataFrame) -> list[str]:
                      "a divergence.")
     supported = causes[~causes["evidence_for"].isin(["none", "untestable here"])]
     if len(causes):
-        lines.append(f"Causes and fixes: {len(supported)} of {len(causes)} have evidence for "
-                     "them here" + (f" ({', '.join(supported['arm'])})." if len(supported)
-                                    else "."))
+        lines.append(f"Causes and fixes: {len(supported)} of {len(causes)} (task, cause) pairs "
+                     "have evidence for them here" + "".join(
+                         f"; {r['cause']} ({r['task']}, {r['arm']}): {r['evidence_for']}"
+                         for _, r in supported.iterrows()) + ".")
     return lines
 
 
@@ -313,7 +336,8 @@ def report(config, metrics: pd.DataFrame, tables: dict):
     probes = layer_means(layers)
     records = published_records()
     published, published_short = _published_section(config, table, records)
-    summary = _summary(config, table, causes) + published_short
+    summary = (_summary(config, table, causes) + _inside_summary(last_probes(probes, evals))
+               + published_short)
     text = _setup(config, runs) + _rule(config) + "## What the numbers show\n\n" + "".join(
         f"- {line}\n" for line in summary) + "\n"
     text += ("## Divergence\n\n" + markdown_table(table, {
@@ -339,9 +363,7 @@ def report(config, metrics: pd.DataFrame, tables: dict):
 def _inside(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame,
             metrics: pd.DataFrame) -> str:
     columns = {c: h for c, h in PROBE_COLUMNS.items() if c in probes}
-    last = probes.loc[probes.groupby(RUN_KEYS, sort=False)["step"].idxmax()]
-    last = last.merge(evals[RUN_KEYS + ["step", "leak_max_abs", "leak_rel"]],
-                      on=RUN_KEYS + ["step"], how="left")
+    last = last_probes(probes, evals)
     mean = last.groupby(["task", "arm"], sort=False)[[*columns, "leak_max_abs",
                                                       "leak_rel"]].mean().reset_index()
     text = ("## Inside attention\n\nAt the last probe, averaged over layers and seeds: the "
