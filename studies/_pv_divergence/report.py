@@ -390,8 +390,9 @@ def _inside(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame,
 def _colors(arms) -> dict:
     import matplotlib
 
-    cmap = matplotlib.colormaps["tab20"]
-    return {arm: cmap(i % 20) for i, arm in enumerate(arms)}
+    name, size = ("tab10", 10) if len(arms) <= 10 else ("tab20", 20)
+    cmap = matplotlib.colormaps[name]
+    return {arm: cmap(i % size) for i, arm in enumerate(arms)}
 
 
 def _figures(config, metrics, table, probes, evals, records) -> dict[str, Figure]:
