@@ -40,9 +40,10 @@ steps into its scratch folder and ``--resume`` continues a killed run with the c
 uninterrupted one has. Under ``torchrun`` the ranks train each cell together with DDP (gloo on
 the CPU, NCCL on GPUs; `data_parallel`), the global batch split over them; with
 ``--set data_parallel=false`` the cells spread over the ranks instead (several small runs
-sharing one GPU). ``--preset smoke`` runs on a CPU in about a minute; ``full`` is sized for
-one H200 (bf16, FP8 and MXFP4 P/V and variants, two seeds, each cell a resumable piece of a
-few minutes); ``long`` scales the same runs up.
+sharing one GPU). ``--preset smoke`` runs on a 2-core CPU in about 25 seconds; ``full`` is
+sized for one H200 (bf16, FP8 and MXFP4 P/V and seven variants, two seeds, each cell a
+resumable piece; its times are still to be measured, studies/README.md says how); ``long``
+scales the same runs up.
 
 Caveats. The speed goal of the issue (a training step with ``fa4fp4_causal_mxfp4pv`` on the
 Triton backend at no less than 0.4x the tokens/s of bf16 SDPA, measured in the same run by the
