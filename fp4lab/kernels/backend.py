@@ -22,6 +22,11 @@ import torch
 from fp4lab.formats import FP8_E4M3FN, FP32, FloatFormat, QuantSpec, round_to_format
 from fp4lab.recipes import (
     AttentionRecipe,
+    BackwardMode,
+    BackwardP,
+    BackwardV,
+    DeltaSource,
+    DsP,
     KVOrder,
     PQuant,
     RowReference,
@@ -179,18 +184,30 @@ def prepare(q, k, v, recipe: AttentionRecipe, block_n: int):
     """(q, k, v, factors) as the kernel reads them: K smoothed as the recipe says, each
     operand quantized (`_operand`), V key-major E4M3 where P V runs on the FP8 tensor cores
     (with key tiles of `block_n`)."""
-    g = q.shape[1] // k.shape[1]
+    qs, ks, vs, factors = quantize_operands(q, smooth_k(k, recipe), v, recipe)
+    if _fp8_pv(recipe, block_n):
+        vs = _key_major_fp8(vs)
+    return qs, ks, vs, factors
+
+
+def smooth_k(k, recipe: AttentionRecipe):
+    """K minus the mean the recipe subtracts (differentiable: the backend runs it outside its
+    autograd Function, as the simulation does, so K's gradient takes its Jacobian in torch)."""
     if recipe.smooth_k is SmoothK.PER_HEAD:
-        k = k - k.mean(dim=-2, keepdim=True)
-    elif recipe.smooth_k is SmoothK.GLOBAL:
-        k = k - k.mean(dim=(0, 1, 2), keepdim=True)
+        return k - k.mean(dim=-2, keepdim=True)
+    if recipe.smooth_k is SmoothK.GLOBAL:
+        return k - k.mean(dim=(0, 1, 2), keepdim=True)
+    return k
+
+
+def quantize_operands(q, k, v, recipe: AttentionRecipe):
+    """(q, k, v, (qf, kf, vf)): the forward's Q^, K^, V^ as stored values and factors."""
+    g = q.shape[1] // k.shape[1]
     (qs, qf), (ks, kf), (vs, vf) = (
         _operand(q, recipe, "q", g),
         _operand(k, recipe, "k", 1),
         _operand(v, recipe, "v", 1),
     )
-    if _fp8_pv(recipe, block_n):
-        vs = _key_major_fp8(vs)
     return qs, ks, vs, (qf, kf, vf)
 
 
@@ -226,24 +243,146 @@ def forward_options(recipe: AttentionRecipe, causal: bool, v: torch.Tensor) -> d
     )
 
 
+# -- the backward ------------------------------------------------------------------------------
+_TILE_OPERANDS = ("dv_p", "dq_ds", "dk_ds")  # quantized in registers, tile by tile
+_WHOLE_OPERANDS = ("dv_do", "dp_do", "dp_v", "dq_k", "dk_q")  # whole tensors, before the kernels
+
+
+def check_backward(recipe: AttentionRecipe, gpu: bool = False) -> None:
+    """Raise NotImplementedError for a backward mechanism the Triton backward does not run,
+    naming it, before anything runs (no silent fallback)."""
+    missing = []
+    if recipe.backward is BackwardMode.FORWARD_EXACT:
+        missing.append(
+            "backward=forward_exact (the forward's own P^ replayed with the row reference of "
+            "each key tile)"
+        )
+    if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:
+        missing.append("delta=unquantized_p_output (Attn-QAT's second output O')")
+    for field in _WHOLE_OPERANDS:
+        spec = getattr(recipe, field)
+        if isinstance(spec, QuantSpec) and (
+            spec.hadamard or spec.block is not None and len(spec.block) == 2
+        ):
+            missing.append(f"{field} in {spec.name} (Hadamard or 2-D blocks)")
+    if missing:
+        raise NotImplementedError(
+            f"recipe {recipe.name!r}: the Triton backward does not run {', '.join(missing)} "
+            "yet; use backend='reference' (no silent fallback)"
+        )
+    backward_quantizers(recipe, gpu)
+
+
+def backward_quantizers(recipe: AttentionRecipe, gpu: bool = False):
+    """The in-register quantizers (P in dV, dS in dQ, dS in dK) as `TileQuantizer`s; with the
+    straight-through backward, P in dV takes the forward's quantizer, along the keys."""
+    from fp4lab.kernels.flash_bwd import TileQuantizer
+
+    if recipe.backward is BackwardMode.STRAIGHT_THROUGH:
+        dv_p = TileQuantizer(p_quantizer(recipe), along_keys=True)
+    else:
+        dv_p = TileQuantizer.of(
+            recipe.dv_p, recipe.dv_p_lift, "dv_p", recipe.block_axis("dv_p") == -1, gpu
+        )
+    dq_ds, dk_ds = (
+        TileQuantizer.of(getattr(recipe, f), recipe.ds_lift, f, recipe.block_axis(f) == -1, gpu)
+        for f in ("dq_ds", "dk_ds")
+    )
+    return dv_p, dq_ds, dk_ds
+
+
+def backward_operands(do, saved: dict, recipe: AttentionRecipe):
+    """The backward's whole-tensor operands quantized as the recipe says (`_operand`), from
+    what the forward saved (`saved`: q, k (smoothed), v as given; the forward's stored Q^,
+    K^, V^ and their factors; its output o and lse; Attn-QAT's O' or None)."""
+    from fp4lab.kernels.flash_bwd import BackwardOperands
+
+    q, k, v = saved["q"], saved["k"], saved["v"]
+    q_hat, k_hat, v_hat = saved["q_hat"], saved["k_hat"], saved["v_hat"]
+    g = q.shape[1] // k.shape[1]
+    do = do.contiguous()
+    do_dv, do_dp = _operand(do, recipe, "dv_do", g), _operand(do, recipe, "dp_do", g)
+    if recipe.backward is BackwardMode.FLASH:
+        if recipe.backward_v is BackwardV.FORWARD:  # V^ as the forward represented it
+            v_dp = v_hat if recipe.dp_v is None else _operand(_dequantized(v, recipe), recipe,
+                                                              "dp_v", 1)  # fmt: skip
+        else:
+            v_dp = _operand(v, recipe, "dp_v", 1)
+        k_dq, q_dk = _operand(k, recipe, "dq_k", 1), _operand(q, recipe, "dk_q", g)
+    else:  # straight through the forward's quantizers: its Q^, K^, V^
+        v_dp, k_dq, q_dk = v_hat, k_hat, q_hat
+    if recipe.backward_p is BackwardP.QUANTIZED_QK:
+        scores_q, scores_k = q_hat, k_hat
+    else:
+        scores_q, scores_k = _plain(q), _plain(k)
+    plain_do = _plain(do)
+    if recipe.delta is DeltaSource.QUANTIZED_DO:
+        o, do_delta = saved["o"], do_dp
+    elif recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:
+        o, do_delta = saved["o_prime"], plain_do
+    else:
+        o, do_delta = saved["o"], plain_do
+    return BackwardOperands(
+        q=scores_q, k=scores_k, do_dv=do_dv, do_dp=do_dp, v_dp=v_dp, k_dq=k_dq, q_dk=q_dk,
+        o=o.to(_store_dtype(o)), do_delta=do_delta, lse=saved["lse"],
+    )  # fmt: skip
+
+
+def _plain(x: torch.Tensor):
+    """An unquantized operand as (store, factor)."""
+    ones = torch.ones(x.shape[:2], dtype=torch.float32, device=x.device)
+    return x.to(_store_dtype(x)).contiguous(), ones
+
+
+def _dequantized(v: torch.Tensor, recipe: AttentionRecipe) -> torch.Tensor:
+    """The forward's V^ in float32, as the simulation holds it (`fake_quantize`'s bits)."""
+    spec = recipe.v
+    if spec is None:
+        return v.float()
+    if isinstance(spec, FloatFormat):
+        return round_to_format(v.float(), spec)
+    from fp4lab.kernels.quantize import fake_quantize
+
+    per_head = recipe.tensor_scope is TensorScope.HEAD
+    where = dict(axis=recipe.block_axis("v"), batch_dims=2 if per_head else 0)
+    view = v.float().unsqueeze(2) if per_head else v.float()  # (B, Hkv, 1, Sk, Dv) per head
+    return fake_quantize(view, spec, **where).reshape(v.shape)
+
+
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, recipe, causal, scale, block_m, block_n):
         from fp4lab.kernels.flash import attention_forward
 
-        qs, ks, vs, factors = prepare(q, k, v, recipe, block_n)
-        o, _ = attention_forward(
-            qs, ks, vs, factors, p_quantizer(recipe), causal=causal,
-            scale=scale, block_m=block_m, block_n=block_n, **forward_options(recipe, causal, v),
+        qs, ks, vs, factors = quantize_operands(q, k, v, recipe)
+        vs_kernel = _key_major_fp8(vs) if _fp8_pv(recipe, block_n) else vs
+        o, lse = attention_forward(
+            qs, ks, vs_kernel, factors, p_quantizer(recipe), causal=causal,
+            scale=scale, block_m=block_m, block_n=block_n, lse_log2=True,
+            **forward_options(recipe, causal, v),
         )  # fmt: skip
-        return o.to(q.dtype)
+        out = o.to(q.dtype)
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(q, k, v, qs, ks, vs, *factors, out, lse)
+            ctx.call = (recipe, causal, scale, block_m, block_n)
+        return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        raise NotImplementedError(
-            "the Triton backward is not built yet: run training and gradients with "
-            "backend='reference' (no silent fallback)"
-        )
+        from fp4lab.kernels.flash_bwd import attention_backward
+
+        q, k, v, qs, ks, vs, qf, kf, vf, out, lse = ctx.saved_tensors
+        recipe, causal, scale, block_m, block_n = ctx.call
+        saved = dict(
+            q=q, k=k, v=v, q_hat=(qs, qf), k_hat=(ks, kf), v_hat=(vs, vf), o=out, lse=lse,
+            o_prime=None,
+        )  # fmt: skip
+        dq, dk, dv = attention_backward(
+            backward_operands(do, saved, recipe), *backward_quantizers(recipe), causal=causal,
+            scale=scale, block_m=block_m, block_n=block_n, ds_from_dv=recipe.ds_p is DsP.DV_OPERAND,
+        )  # fmt: skip
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def attention(
@@ -266,8 +405,12 @@ def attention(
     _check_call(q, k, v, trace, attn_mask)
     if dropout_p:
         raise NotImplementedError("dropout_p: the Triton kernels have no dropout yet")
-    check_recipe(recipe, gpu=q.device.type == "cuda" and not _interpreted())
+    gpu = q.device.type == "cuda" and not _interpreted()
+    check_recipe(recipe, gpu=gpu)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        check_backward(recipe, gpu=gpu)
     block_m = block_m or recipe.block_m or _DEFAULT_TILE
     block_n = block_n or recipe.block_n or _DEFAULT_TILE
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    k = smooth_k(k, recipe)
     return _TritonAttention.apply(q, k, v, recipe, bool(causal), scale, block_m, block_n)

@@ -99,9 +99,11 @@ class PQuantizer:
     EMAX_E: int = 0  # the element format's largest exponent (OCP's floor rule)
 
     @classmethod
-    def of(cls, spec, lift: float) -> PQuantizer:
-        """The quantizer of a recipe's `p` (None, a FloatFormat or a 1-D QuantSpec)."""
-        check_p(spec, lift)
+    def of(cls, spec, lift: float, field: str = "p") -> PQuantizer:
+        """The quantizer of a recipe's `p` (None, a FloatFormat or a 1-D QuantSpec), or of
+        another operand quantized tile by tile in registers (`field`: the backward's P and dS,
+        `fp4lab.kernels.flash_bwd`)."""
+        check_p(spec, lift, field=field)
         if spec is None:
             return cls(MODE=0, LIFT=lift)
         if isinstance(spec, FloatFormat):
@@ -169,15 +171,16 @@ _ARITHMETICS = {
 _GPU_REFUSED_RULES = frozenset(ScaleRule) - {ScaleRule.NEAREST}
 
 
-def check_p(spec, lift: float, *, gpu: bool = False) -> None:
+def check_p(spec, lift: float, *, gpu: bool = False, field: str = "p") -> None:
     """Raise for a P format the kernel does not quantize (yet): no silent fallback. `gpu`:
-    compiled for a GPU rather than interpreted (see `_GPU_REFUSED_RULES`)."""
+    compiled for a GPU rather than interpreted (see `_GPU_REFUSED_RULES`); `field`: the
+    recipe field named in the message (the backward's P and dS take the same rules)."""
     if spec is None:
         return
     if isinstance(spec, FloatFormat):
         if spec.emin - spec.mbits < -126:
             raise NotImplementedError(
-                f"p: the Triton kernel rounds onto grids in fp32's normal range; format "
+                f"{field}: the Triton kernel rounds onto grids in fp32's normal range; format "
                 f"{spec.name!r} has quanta down to 2^{spec.emin - spec.mbits}; "
                 "use backend='reference'"
             )
@@ -186,7 +189,8 @@ def check_p(spec, lift: float, *, gpu: bool = False) -> None:
     if spec.element.emin - spec.element.mbits < -126:
         problems.append(f"element format {spec.element.name} below fp32's normal range")
     if spec.block is None or len(spec.block) != 1 or spec.block[0] not in (16, 32):
-        problems.append(f"blocks {spec.block} (the kernel takes 1-D blocks of 16 or 32 keys)")
+        along = "keys" if field == "p" else "elements along its blocks' axis"
+        problems.append(f"blocks {spec.block} (the kernel takes 1-D blocks of 16 or 32 {along})")
     if spec.scale_rule not in _RULES:
         problems.append(f"scale rule {spec.scale_rule.value}")
     if spec.scale_rule is ScaleRule.RCEIL and spec.scale.mbits != 0:
@@ -206,8 +210,10 @@ def check_p(spec, lift: float, *, gpu: bool = False) -> None:
                 "disagreement with the reference there, unresolved: see fp4lab.kernels.flash)"
             )
     if problems:
+        what = "P" if field == "p" else field
         raise NotImplementedError(
-            f"p: the Triton kernel does not quantize P with block format {spec.name!r} yet: "
+            f"{field}: the Triton kernel does not quantize {what} with block format "
+            f"{spec.name!r} yet: "
             + "; ".join(problems)
             + "; use backend='reference'"
         )
@@ -583,8 +589,10 @@ def _attn_fwd(
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr,
     # the row reference: 0 the running (or lazy) maximum, 1 fp4-fa4's anchor, 2 zero
     REF: tl.constexpr, FIXED: tl.constexpr, ANCHOR_KEYS: tl.constexpr, LEAK: tl.constexpr,
+    LSE_LOG2: tl.constexpr,
 ):
-    """One query tile of one (batch, head): O and the log-sum-exp (natural units).
+    """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
+    units with LSE_LOG2, as the backward reads it).
 
     Its key tiles split in two ranges, in the recipe's order: the first n_free tiles hold only
     visible keys of full query rows (no masks), the rest (the diagonal band when causal, a
@@ -650,7 +658,9 @@ def _attn_fwd(
     )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
-    lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
+    lse = m_i + tl.log2(tl.where(empty, 1.0, l_i))
+    if not LSE_LOG2:
+        lse = lse * 0.6931471805599453
     lse = tl.where(empty, float("inf"), lse)
     tl.store(LSE + bh * Sq + offs_m, lse, mask=rows)
     o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
@@ -681,6 +691,7 @@ def attention_forward(
     anchor_margin: float = 0.0,
     leakage_block: int = 0,
     v_plain=None,
+    lse_log2: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
@@ -689,7 +700,10 @@ def attention_forward(
     values of q, k, v are multiplied by `factors` (fp32 tensors of (B, H), (B, Hkv), (B, Hkv)
     elements) in the kernel's fp32 arithmetic. `reference` is the row reference: "running"
     (with `lazy_log2`, the lazy maximum), "anchor" (each row's largest score over its first
-    `anchor_keys` keys plus `anchor_margin` in score units, fixed) or "zero"."""
+    `anchor_keys` keys plus `anchor_margin` in score units, fixed) or "zero". `lse_log2`:
+    return the log-sum-exp in log2 units (m + log2 l, the kernel's own, before its conversion
+    to natural units), which the backward rebuilds P from: a row whose l is 1 then gets
+    P = exp2(0) = 1 exactly again, as the simulation's exp(S - lse) does."""
     if reference not in _REFERENCES:
         raise ValueError(f"reference must be one of {', '.join(_REFERENCES)}; got {reference!r}")
     if reference == "anchor" and not 0 < anchor_keys <= block_n:
@@ -725,7 +739,8 @@ def attention_forward(
         S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
         RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
         LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
-        ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, num_warps=num_warps, num_stages=num_stages,
+        ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, num_warps=num_warps,
+        num_stages=num_stages,
     )
     # fmt: on
     return o, lse

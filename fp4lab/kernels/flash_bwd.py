@@ -1,0 +1,627 @@
+"""FlashAttention's backward in Triton with in-kernel quantization of P and dS, driven by a recipe.
+
+What. `attention_backward` runs the backward of the simulation path (`fp4lab.analysis.flash`,
+its `_backward_step`) as three kernels on the GPU, FlashAttention-2's (Dao 2023, arXiv
+2307.08691, Algorithm 2) in the Triton tutorial's structure: a preprocess computing
+D = rowsum(dO * O) per query row, a dK/dV kernel per key tile that walks the query tiles
+which see it (and, for grouped-query attention, the query heads of its group), and a dQ kernel
+per query tile that walks the key tiles it sees. Q, K, V, dO arrive already quantized as the
+recipe's backward fields say (`fp4lab.kernels.backend.backward_operands`, by the fused Triton
+quantizer, whole tensors, as the simulation quantizes them); P and dS are quantized inside the
+kernels, tile by tile, along the blocks' axis of the product that consumes them.
+
+The algorithm per (query tile i, key tile j), in log2 units (z = scale log2(e) S):
+
+    P = exp2(z - lse log2(e))                 rebuilt from the forward's log-sum-exp, S from
+                                              Q^, K^ (backward_p=quantized_qk) or Q, K
+    P^ = q_dv_p(lift P) / lift                along the queries (straight-through: the
+                                              forward's P quantizer, along the keys)
+    dV_j += P^^T dO^_i                        dO^: dv_do
+    dP = dO^_i V^_j^T                         dp_do, dp_v (V, or the forward's V^)
+    dS = (P or P^) * (dP - D_i)               recipe.ds_p; D from recipe.delta
+    dQ_i += scale q_dq_ds(dS) K^_j            dS along the keys, K^: dq_k
+    dK_j += scale q_dk_ds(dS)^T Q^_i          dS along the queries, Q^: dk_q
+
+Why two kernels and not atomics. FlashAttention-2's own kernel accumulates dQ with fp32
+atomic adds from the dK/dV programs; the Triton tutorial instead gives dQ its own pass (a
+program per query tile) at the cost of computing S and dP twice (seven matrix products per
+tile pair instead of five). fp4lab takes the tutorial's way: atomics make dQ's summation
+order depend on scheduling, so two runs of one recipe would give different bits, which a
+numerics lab measuring gradient bias cannot have; and each kernel recomputes its tiles of P
+and dS from the same operands in the same arithmetic, so both quantize the same values.
+Grouped-query heads are summed inside the dK/dV program (a loop over the group), again
+without atomics.
+
+Layout. The dK/dV kernel holds its tiles transposed, (keys, queries), as the tutorial does,
+so that P^T and dS^T are the left operands of their products with no transpose, and both of
+its in-register quantizers (P for dV, dS for dK: blocks along the queries) run along a tile's
+last axis, as the forward's P does; the dQ kernel holds (queries, keys), where dS for dQ is
+blocked along the keys, the last axis again. An operand blocked along the other axis (the
+straight-through backward's P, along the keys, in the dK/dV kernel; P^ for dS = P^ (dP - D)
+in the dQ kernel) is transposed in registers around its quantizer (`TRANS`).
+
+Exactness. As in the forward (`fp4lab.kernels.flash`), quantized values are bf16-exact
+(codes times block scales), factors bf16 cannot hold (tensor scales, lifts, an FP32 per-tile
+scale, alpha grids' 1/M_e, whole-tensor operands' per-head factors) multiply each tile's fp32
+product, and an operand that is not bf16-exact (unquantized P or dS, a format wider than
+bf16's 8 significant bits) enters its product as two bf16 halves (`_dot`, 16 bits).
+
+What is not here (each refused by `fp4lab.kernels.backend.check_backward` before anything
+runs): the exact gradient of the forward as it ran (backward=forward_exact, which replays the
+forward's P^ with the row references it used), stochastic rounding, Hadamard transforms and
+2-D blocks, fixed scales on P or dS, dropout and the trace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4lab.formats import BF16, FP32, QuantSpec, ScaleArithmetic, ScaleRule
+from fp4lab.kernels.flash import LOG2E, PQuantizer, _direct_p, _grid, _quantize_p, _round, check_p
+from fp4lab.kernels.quantize import _bfloat16_round
+
+__all__ = ["attention_backward", "BackwardOperands", "TileQuantizer"]
+
+# modes beyond PQuantizer's 0 (none), 1 (cast), 2 (1-D blocks), 3 (Direct-P)
+_MODE_TILE_SCALE = 4  # one FP32 scale per tile: amax / M_e (a per-tensor format on a tile)
+_MODE_BF16 = 5  # a cast to bf16 (its grid reaches below fp32's normal range, unlike `_round`'s)
+
+
+# -- which formats, as compile-time constants --------------------------------------------------
+@dataclass(frozen=True)
+class TileQuantizer:
+    """An operand the backward quantizes tile by tile in registers (P for dV, dS for dQ and for
+    dK): its `PQuantizer` (modes 0-3, plus 4 one FP32 scale per tile and 5 a bf16 cast) and
+    whether its 1-D blocks run along the keys (else along the queries)."""
+
+    pq: PQuantizer
+    along_keys: bool
+
+    @classmethod
+    def of(cls, spec, lift: float, field: str, along_keys: bool, gpu: bool = False):
+        """The quantizer of recipe field `field` with format `spec` and lift."""
+        if spec is None:
+            return cls(PQuantizer(MODE=0), along_keys)
+        if spec == BF16:
+            return cls(PQuantizer(MODE=_MODE_BF16, LIFT=lift, ELEM=_grid(BF16)), along_keys)
+        if isinstance(spec, QuantSpec) and spec.block is None:
+            check_tile_scale(spec, field)
+            return cls(PQuantizer(MODE=_MODE_TILE_SCALE, LIFT=lift, ELEM=_grid(spec.element)),
+                       along_keys)  # fmt: skip
+        check_p(spec, lift, gpu=gpu, field=field)
+        return cls(PQuantizer.of(spec, lift, field), along_keys)
+
+    @property
+    def split(self) -> bool:
+        """Whether its values can exceed bf16's 8 significant bits (then `_dot` splits them)."""
+        pq = self.pq
+        if pq.MODE == 0:
+            return True
+        element_bits = round(-math.log2(pq.ELEM[2])) + 1
+        if pq.MODE == 2 and pq.RULE == 0:  # scales rounded into a format with mantissa bits
+            return element_bits + round(-math.log2(pq.SCALE[2])) + 1 > 8
+        return element_bits > 8
+
+    def constants(self, prefix: str, keys_last: bool) -> dict:
+        """The kernel's constexpr arguments `<prefix>_*`; `keys_last`: the kernel's tiles hold
+        the keys along their last axis (the dQ kernel) or the queries (the dK/dV kernel)."""
+        pq = self.pq
+        values = dict(
+            MODE=pq.MODE, LIFT=pq.LIFT, EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2],
+            E_MAX=pq.ELEM[3], SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2],
+            S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
+            RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
+            LOG2_ME=math.log2(pq.ELEM[3]), TRANS=self.along_keys != keys_last, SPLIT=self.split,
+        )  # fmt: skip
+        return {f"{prefix}_{name}": value for name, value in values.items()}
+
+
+def check_tile_scale(spec: QuantSpec, field: str) -> None:
+    """Raise for a per-tensor format (block=None) on a per-tile operand that the kernel does
+    not quantize: it takes one FP32 scale amax / M_e per tile, elements divided by it."""
+    plain = (
+        spec.scale == FP32 and spec.scale_rule is ScaleRule.NEAREST and not spec.tensor_scale
+        and spec.arithmetic is ScaleArithmetic.EXACT and spec.fixed_scale is None
+        and not spec.stochastic and spec.hadamard is None and spec.scale_floor is None
+        and spec.correction.value == "none"
+    )  # fmt: skip
+    if not plain:
+        raise NotImplementedError(
+            f"{field}: the Triton backward quantizes a per-tensor format on a tile only as one "
+            f"FP32 scale amax / M_e per tile; {spec.name!r} is another (a fixed scale, a tensor "
+            "scale, stochastic rounding, ...); use backend='reference'"
+        )
+    if spec.element.emin - spec.element.mbits < -126:
+        raise NotImplementedError(
+            f"{field}: element format {spec.element.name} reaches below fp32's normal range; "
+            "use backend='reference'"
+        )
+
+
+@dataclass
+class BackwardOperands:
+    """The backward's tensors as the kernels read them: each whole-tensor operand as (store,
+    factor), store (B, H|Hkv, S, E) contiguous in the kernel's dtype with bf16-exact values,
+    factor fp32 (B, H|Hkv) (`fp4lab.kernels.backend._operand`)."""
+
+    q: tuple  # the scores' Q (the forward's Q^, or Q)
+    k: tuple  # the scores' K
+    do_dv: tuple  # dO in dV = P^T dO
+    do_dp: tuple  # dO in dP = dO V^T
+    v_dp: tuple  # V in dP
+    k_dq: tuple  # K in dQ = dS K
+    q_dk: tuple  # Q in dK = dS^T Q
+    o: torch.Tensor  # the output D = rowsum(dO * O) is taken with (O, or Attn-QAT's O')
+    do_delta: tuple  # the dO D is taken with (dO, or dp_do's)
+    lse: torch.Tensor  # the forward's log-sum-exp, (B, H, Sq) fp32, in log2 units
+
+
+# -- device functions --------------------------------------------------------------------------
+@triton.jit
+def _dot(a, b, SPLIT: tl.constexpr):
+    """a (fp32 values) times b (a stored operand) with fp32 accumulation, a in b's dtype: whole
+    where its values fit (quantized ones are bf16-exact), else as two halves (16 bits)."""
+    head = a.to(b.dtype)
+    if SPLIT:
+        tail = (a - head.to(tl.float32)).to(b.dtype)
+        return tl.dot(tail, b, tl.dot(head, b))
+    return tl.dot(head, b)
+
+
+@triton.jit
+def _quantize_tile(
+    x, z, ROWS: tl.constexpr, COLS: tl.constexpr, SIGNED: tl.constexpr,
+    MODE: tl.constexpr, LIFT: tl.constexpr, EQ_LO: tl.constexpr, EQ_HI: tl.constexpr,
+    E_UNIT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
+    S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
+    QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
+    EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, TRANS: tl.constexpr,
+):  # fmt: skip
+    """(values, tile factor) of a (ROWS, COLS) tile x as `TileQuantizer` says, blocked along
+    its last axis (TRANS: its first): values bf16-exact, the dequantized tile values * factor.
+    SIGNED: x may be negative (dS; the magnitude is quantized, the sign kept, as rounding to
+    nearest even is symmetric). z: log2 of x, read by Direct-P (MODE 3) only."""
+    if MODE == 0:
+        return x, 1.0
+    mag = x
+    if SIGNED:
+        mag = tl.abs(x)
+    if MODE == 3:  # Direct-P: codes from z
+        if TRANS:
+            values = tl.trans(_direct_p(tl.trans(z), COLS, ROWS, QBLOCK, RULE, E_LO, E_HI, EQ_LO,
+                                        EQ_HI, E_UNIT, E_MAX, LOG2_ME))  # fmt: skip
+        else:
+            values = _direct_p(z, ROWS, COLS, QBLOCK, RULE, E_LO, E_HI, EQ_LO, EQ_HI, E_UNIT,
+                               E_MAX, LOG2_ME)  # fmt: skip
+        factor = 1.0 / E_MAX
+    elif MODE == 4:  # one FP32 scale t = amax / M_e per tile, elements x / t
+        a = mag * LIFT
+        amax = tl.zeros_like(a) + tl.max(tl.max(a, 1), 0)
+        t = tl.div_rn(amax, tl.zeros_like(a) + E_MAX)
+        scaled = tl.where(t == 0.0, 0.0, tl.div_rn(a, tl.where(t == 0.0, 1.0, t)))
+        values = _round(scaled, EQ_LO, EQ_HI, E_UNIT, E_MAX)
+        factor = tl.max(tl.max(t, 1), 0) * (1.0 / LIFT)
+    elif MODE == 5:  # bf16, rounded on its bits to nearest even, saturating
+        values = tl.minimum(_bfloat16_round(mag * LIFT), E_MAX)
+        factor = 1.0 / LIFT
+    elif TRANS:
+        values, factor = _quantize_p(
+            tl.trans(mag), COLS, ROWS, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
+            S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+        )  # fmt: skip
+        values = tl.trans(values)
+    else:
+        values, factor = _quantize_p(
+            mag, ROWS, COLS, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
+            S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+        )  # fmt: skip
+    if SIGNED:
+        values = tl.where(x < 0.0, -values, values)
+    return values, factor
+
+
+# -- the preprocess: D = rowsum(dO * O) -------------------------------------------------------
+@triton.jit
+def _bwd_preprocess(Out, DO, DOF, Delta, Sq, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """D of one query tile of one (batch, head): rowsum(dO * O) times dO's factor."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, V_DIM)
+    rows = offs_m < Sq
+    row0 = bh.to(tl.int64) * Sq
+    ptrs = (row0 + offs_m[:, None]) * V_DIM + offs_dv[None, :]
+    o = tl.load(Out + ptrs, mask=rows[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=rows[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1) * tl.load(DOF + bh)
+    tl.store(Delta + row0 + offs_m, delta, mask=rows)
+
+
+# -- the dK/dV kernel --------------------------------------------------------------------------
+# fmt: off
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, q_base, qd_base, dov_base, dop_base, lse_base, delta_base, offs_n, cols,
+    qk_scale, f_dov, f_dp, f_q, Sq, first, count,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
+    DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
+    DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
+    DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
+    DV_E_LO: tl.constexpr, DV_E_HI: tl.constexpr, DV_QBLOCK: tl.constexpr, DV_RULE: tl.constexpr,
+    DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
+    DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SPLIT: tl.constexpr,
+    DK_MODE: tl.constexpr, DK_LIFT: tl.constexpr, DK_EQ_LO: tl.constexpr, DK_EQ_HI: tl.constexpr,
+    DK_E_UNIT: tl.constexpr, DK_E_MAX: tl.constexpr, DK_SQ_LO: tl.constexpr,
+    DK_SQ_HI: tl.constexpr, DK_S_UNIT: tl.constexpr, DK_S_MAX: tl.constexpr,
+    DK_E_LO: tl.constexpr, DK_E_HI: tl.constexpr, DK_QBLOCK: tl.constexpr, DK_RULE: tl.constexpr,
+    DK_ARITH: tl.constexpr, DK_TENSOR: tl.constexpr, DK_EMAX_E: tl.constexpr,
+    DK_LOG2_ME: tl.constexpr, DK_TRANS: tl.constexpr, DK_SPLIT: tl.constexpr,
+):
+    """`count` query tiles of one query head from query tile `first` against one key tile,
+    tiles held (keys, queries). MASKED tiles may hold rows past Sq, keys past Sk or (causal)
+    queries before a key; the others hold none, and skip the masks."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, V_DIM)
+    for t in range(0, count):
+        start_m = tl.multiple_of((first + t) * BLOCK_M, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qt_ptrs = q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None]
+        dot_ptrs = dop_base + offs_m[None, :] * V_DIM + offs_dv[:, None]
+        dov_ptrs = dov_base + offs_m[:, None] * V_DIM + offs_dv[None, :]
+        qd_ptrs = qd_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        if MASKED:
+            rows = offs_m < Sq
+            qt = tl.load(qt_ptrs, mask=rows[None, :], other=0.0)  # (HEAD_DIM, BLOCK_M)
+            lse = tl.load(lse_base + offs_m, mask=rows, other=0.0)
+        else:
+            qt = tl.load(qt_ptrs)
+            lse = tl.load(lse_base + offs_m)
+        # -- rebuild P^T from the forward's lse --
+        zt = tl.dot(k, qt) * qk_scale - lse[None, :]  # (BLOCK_N, BLOCK_M)
+        if MASKED:
+            keep = cols[:, None] & rows[None, :]
+            if CAUSAL:
+                keep = keep & (offs_m[None, :] >= offs_n[:, None])
+            zt = tl.where(keep, zt, -float("inf"))
+        pt = tl.exp2(zt)
+        # -- dV += P^^T dO --
+        p_dv, f_dv = _quantize_tile(
+            pt, zt, BLOCK_N, BLOCK_M, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT,
+            DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK,
+            DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS,
+        )
+        if MASKED:
+            do_v = tl.load(dov_ptrs, mask=rows[:, None], other=0.0)  # (BLOCK_M, V_DIM)
+            do_t = tl.load(dot_ptrs, mask=rows[None, :], other=0.0)  # (V_DIM, BLOCK_M)
+            delta = tl.load(delta_base + offs_m, mask=rows, other=0.0)
+        else:
+            do_v = tl.load(dov_ptrs)
+            do_t = tl.load(dot_ptrs)
+            delta = tl.load(delta_base + offs_m)
+        dv += _dot(p_dv, do_v, DV_SPLIT) * (f_dv * f_dov)
+        # -- dS^T = P^T (dP^T - D) --
+        dpt = tl.dot(v, do_t) * f_dp
+        if DS_FROM_DV:  # the P dV consumed, as quantized
+            dst = (dpt - delta[None, :]) * (p_dv * f_dv)
+        else:
+            dst = (dpt - delta[None, :]) * pt
+        # -- dK += dS^^T Q --
+        ds_k, f_k = _quantize_tile(
+            dst, dst, BLOCK_N, BLOCK_M, True, DK_MODE, DK_LIFT, DK_EQ_LO, DK_EQ_HI, DK_E_UNIT,
+            DK_E_MAX, DK_SQ_LO, DK_SQ_HI, DK_S_UNIT, DK_S_MAX, DK_E_LO, DK_E_HI, DK_QBLOCK,
+            DK_RULE, DK_ARITH, DK_TENSOR, DK_EMAX_E, DK_LOG2_ME, DK_TRANS,
+        )
+        if MASKED:
+            qd = tl.load(qd_ptrs, mask=rows[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM)
+        else:
+            qd = tl.load(qd_ptrs)
+        dk += _dot(ds_k, qd, DK_SPLIT) * (f_k * f_q)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, QD, DOV, DOP, LSE, DELTA, DK, DV, QF, KF, DOVF, DOPF, VF, QDF, qk_scale, scale,
+    H, G, Sq, Sk,
+    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr,
+    DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
+    DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
+    DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
+    DV_E_LO: tl.constexpr, DV_E_HI: tl.constexpr, DV_QBLOCK: tl.constexpr, DV_RULE: tl.constexpr,
+    DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
+    DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SPLIT: tl.constexpr,
+    DK_MODE: tl.constexpr, DK_LIFT: tl.constexpr, DK_EQ_LO: tl.constexpr, DK_EQ_HI: tl.constexpr,
+    DK_E_UNIT: tl.constexpr, DK_E_MAX: tl.constexpr, DK_SQ_LO: tl.constexpr,
+    DK_SQ_HI: tl.constexpr, DK_S_UNIT: tl.constexpr, DK_S_MAX: tl.constexpr,
+    DK_E_LO: tl.constexpr, DK_E_HI: tl.constexpr, DK_QBLOCK: tl.constexpr, DK_RULE: tl.constexpr,
+    DK_ARITH: tl.constexpr, DK_TENSOR: tl.constexpr, DK_EMAX_E: tl.constexpr,
+    DK_LOG2_ME: tl.constexpr, DK_TRANS: tl.constexpr, DK_SPLIT: tl.constexpr,
+):
+    """dK and dV of one key tile of one (batch, KV head), summed over the G query heads of its
+    group and the query tiles that see it.
+
+    Its query tiles split in three ranges: the causal band (queries before some of its keys)
+    and every tile when the key tile is partial, masked; the whole tiles past the band,
+    unmasked; a partial last query tile, masked."""
+    start_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    Hk = H // G
+    b, hk = bhk // Hk, bhk % Hk
+    n0 = start_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, V_DIM)
+    cols = offs_n < Sk
+    row0 = bhk.to(tl.int64) * Sk
+    k = tl.load(K + (row0 + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=cols[:, None],
+                other=0.0)  # (BLOCK_N, HEAD_DIM), the scores' K
+    v = tl.load(V + (row0 + offs_n[:, None]) * V_DIM + offs_dv[None, :], mask=cols[:, None],
+                other=0.0)  # (BLOCK_N, V_DIM), V in dP
+    f_k, f_v = tl.load(KF + bhk), tl.load(VF + bhk)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, V_DIM], dtype=tl.float32)
+    # the query tiles in three ranges: [lo, a) masked, [a, e) unmasked, [c, n_q) masked
+    n_q = tl.cdiv(Sq, BLOCK_M)
+    n_full = Sq // BLOCK_M
+    lo = 0
+    mid = 0
+    if CAUSAL:  # the first tile with a row at or after n0; the first with all rows after the keys
+        lo = n0 // BLOCK_M
+        mid = tl.maximum(lo, tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M))
+    if n0 + BLOCK_N > Sk:  # a partial key tile: every tile masked
+        a = tl.maximum(n_q, lo)
+        e = a
+        c = a
+    else:
+        a = tl.minimum(mid, n_full)
+        e = n_full
+        c = tl.maximum(n_full, lo)
+    for g in range(0, G):
+        bh = b * H + hk * G + g
+        q_row0 = bh.to(tl.int64) * Sq
+        q_base, qd_base = Q + q_row0 * HEAD_DIM, QD + q_row0 * HEAD_DIM
+        dov_base, dop_base = DOV + q_row0 * V_DIM, DOP + q_row0 * V_DIM
+        s_h = qk_scale * tl.load(QF + bh) * f_k  # the forward's order
+        f_dov, f_dp, f_q = tl.load(DOVF + bh), f_v * tl.load(DOPF + bh), tl.load(QDF + bh)
+        for r in tl.static_range(3):
+            if r == 0:
+                first, count = lo, tl.maximum(a - lo, 0)
+            elif r == 1:
+                first, count = a, tl.maximum(e - a, 0)
+            else:
+                first, count = c, tl.maximum(n_q - c, 0)
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, qd_base, dov_base, dop_base, LSE + q_row0, DELTA + q_row0,
+                offs_n, cols, s_h, f_dov, f_dp, f_q, Sq, first, count,
+                r != 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV,
+                DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
+                DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
+                DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SPLIT,
+                DK_MODE, DK_LIFT, DK_EQ_LO, DK_EQ_HI, DK_E_UNIT, DK_E_MAX, DK_SQ_LO, DK_SQ_HI,
+                DK_S_UNIT, DK_S_MAX, DK_E_LO, DK_E_HI, DK_QBLOCK, DK_RULE, DK_ARITH, DK_TENSOR,
+                DK_EMAX_E, DK_LOG2_ME, DK_TRANS, DK_SPLIT,
+            )
+    dk = dk * scale
+    tl.store(DK + (row0 + offs_n[:, None]) * HEAD_DIM + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=cols[:, None])
+    tl.store(DV + (row0 + offs_n[:, None]) * V_DIM + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=cols[:, None])
+
+
+# -- the dQ kernel -----------------------------------------------------------------------------
+@triton.jit
+def _dq_inner(
+    dq, q, do_p, lse2, delta, k_base, v_base, kd_base, offs_m, rows, qk_scale, f_dp, Sk,
+    first, count,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
+    DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
+    DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
+    DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
+    DV_E_LO: tl.constexpr, DV_E_HI: tl.constexpr, DV_QBLOCK: tl.constexpr, DV_RULE: tl.constexpr,
+    DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
+    DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr,
+    DQ_MODE: tl.constexpr, DQ_LIFT: tl.constexpr, DQ_EQ_LO: tl.constexpr, DQ_EQ_HI: tl.constexpr,
+    DQ_E_UNIT: tl.constexpr, DQ_E_MAX: tl.constexpr, DQ_SQ_LO: tl.constexpr,
+    DQ_SQ_HI: tl.constexpr, DQ_S_UNIT: tl.constexpr, DQ_S_MAX: tl.constexpr,
+    DQ_E_LO: tl.constexpr, DQ_E_HI: tl.constexpr, DQ_QBLOCK: tl.constexpr, DQ_RULE: tl.constexpr,
+    DQ_ARITH: tl.constexpr, DQ_TENSOR: tl.constexpr, DQ_EMAX_E: tl.constexpr,
+    DQ_LOG2_ME: tl.constexpr, DQ_TRANS: tl.constexpr, DQ_SPLIT: tl.constexpr,
+):
+    """`count` key tiles of one query tile from key tile `first`, tiles held (queries, keys);
+    MASKED as in `_dkdv_inner`."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, V_DIM)
+    for t in range(0, count):
+        start_n = tl.multiple_of((first + t) * BLOCK_N, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None]
+        vt_ptrs = v_base + offs_n[None, :] * V_DIM + offs_dv[:, None]
+        kd_ptrs = kd_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        if MASKED:
+            cols = offs_n < Sk
+            kt = tl.load(kt_ptrs, mask=cols[None, :], other=0.0)  # (HEAD_DIM, BLOCK_N)
+        else:
+            kt = tl.load(kt_ptrs)
+        # -- rebuild P from the forward's lse --
+        z = tl.dot(q, kt) * qk_scale - lse2[:, None]  # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            keep = cols[None, :] & rows[:, None]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            z = tl.where(keep, z, -float("inf"))
+        p = tl.exp2(z)
+        # -- dS = P (dP - D) --
+        if MASKED:
+            vt = tl.load(vt_ptrs, mask=cols[None, :], other=0.0)  # (V_DIM, BLOCK_N)
+        else:
+            vt = tl.load(vt_ptrs)
+        dp = tl.dot(do_p, vt) * f_dp
+        if DS_FROM_DV:  # the P dV consumes, as quantized (in the dK/dV kernel)
+            p_dv, f_dv = _quantize_tile(
+                p, z, BLOCK_M, BLOCK_N, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT,
+                DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK,
+                DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS,
+            )
+            ds = (dp - delta[:, None]) * (p_dv * f_dv)
+        else:
+            ds = (dp - delta[:, None]) * p
+        # -- dQ += dS^ K --
+        ds_q, f_q = _quantize_tile(
+            ds, ds, BLOCK_M, BLOCK_N, True, DQ_MODE, DQ_LIFT, DQ_EQ_LO, DQ_EQ_HI, DQ_E_UNIT,
+            DQ_E_MAX, DQ_SQ_LO, DQ_SQ_HI, DQ_S_UNIT, DQ_S_MAX, DQ_E_LO, DQ_E_HI, DQ_QBLOCK,
+            DQ_RULE, DQ_ARITH, DQ_TENSOR, DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS,
+        )
+        if MASKED:
+            kd = tl.load(kd_ptrs, mask=cols[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
+        else:
+            kd = tl.load(kd_ptrs)
+        dq += _dot(ds_q, kd, DQ_SPLIT) * f_q
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, KD, DOP, LSE, DELTA, DQ, QF, KF, DOPF, VF, KDF, qk_scale, scale, H, G, Sq, Sk,
+    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr,
+    DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
+    DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
+    DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
+    DV_E_LO: tl.constexpr, DV_E_HI: tl.constexpr, DV_QBLOCK: tl.constexpr, DV_RULE: tl.constexpr,
+    DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
+    DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SPLIT: tl.constexpr,
+    DQ_MODE: tl.constexpr, DQ_LIFT: tl.constexpr, DQ_EQ_LO: tl.constexpr, DQ_EQ_HI: tl.constexpr,
+    DQ_E_UNIT: tl.constexpr, DQ_E_MAX: tl.constexpr, DQ_SQ_LO: tl.constexpr,
+    DQ_SQ_HI: tl.constexpr, DQ_S_UNIT: tl.constexpr, DQ_S_MAX: tl.constexpr,
+    DQ_E_LO: tl.constexpr, DQ_E_HI: tl.constexpr, DQ_QBLOCK: tl.constexpr, DQ_RULE: tl.constexpr,
+    DQ_ARITH: tl.constexpr, DQ_TENSOR: tl.constexpr, DQ_EMAX_E: tl.constexpr,
+    DQ_LOG2_ME: tl.constexpr, DQ_TRANS: tl.constexpr, DQ_SPLIT: tl.constexpr,
+):
+    """dQ of one query tile of one (batch, head), over the key tiles it sees: first the whole
+    tiles of visible keys (unmasked, as the forward splits them), then the rest (masked)."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    bhk = b * (H // G) + h // G
+    m0 = start_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, V_DIM)
+    rows = offs_m < Sq
+    q_row0 = bh.to(tl.int64) * Sq
+    k_row0 = bhk.to(tl.int64) * Sk
+    q = tl.load(Q + (q_row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None],
+                other=0.0)  # (BLOCK_M, HEAD_DIM), the scores' Q
+    do_p = tl.load(DOP + (q_row0 + offs_m[:, None]) * V_DIM + offs_dv[None, :],
+                   mask=rows[:, None], other=0.0)  # (BLOCK_M, V_DIM), dO in dP
+    lse2 = tl.load(LSE + q_row0 + offs_m, mask=rows, other=0.0)
+    delta = tl.load(DELTA + q_row0 + offs_m, mask=rows, other=0.0)
+    s_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + bhk)  # the forward's order
+    f_dp = tl.load(VF + bhk) * tl.load(DOPF + bh)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    n_tiles = tl.cdiv(Sk, BLOCK_N)
+    n_free = Sk // BLOCK_N
+    if CAUSAL:
+        n_tiles = tl.minimum(n_tiles, tl.cdiv(tl.minimum(m0 + BLOCK_M, Sq), BLOCK_N))
+        n_free = tl.minimum(n_free, (m0 + 1) // BLOCK_N)
+    if m0 + BLOCK_M > Sq:
+        n_free = 0
+    for r in tl.static_range(2):
+        if r == 0:
+            first, count = 0, n_free
+        else:
+            first, count = n_free, tl.maximum(n_tiles - n_free, 0)
+        dq = _dq_inner(
+            dq, q, do_p, lse2, delta, K + k_row0 * HEAD_DIM, V + k_row0 * V_DIM,
+            KD + k_row0 * HEAD_DIM, offs_m, rows, s_scale, f_dp, Sk, first, count,
+            r == 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV,
+            DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
+            DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
+            DV_EMAX_E, DV_LOG2_ME, DV_TRANS,
+            DQ_MODE, DQ_LIFT, DQ_EQ_LO, DQ_EQ_HI, DQ_E_UNIT, DQ_E_MAX, DQ_SQ_LO, DQ_SQ_HI,
+            DQ_S_UNIT, DQ_S_MAX, DQ_E_LO, DQ_E_HI, DQ_QBLOCK, DQ_RULE, DQ_ARITH, DQ_TENSOR,
+            DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS, DQ_SPLIT,
+        )
+    dq = dq * (scale * tl.load(KDF + bhk))
+    tl.store(DQ + (q_row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=rows[:, None])
+# fmt: on
+
+
+# -- the launcher ----------------------------------------------------------------------------------
+def attention_backward(
+    ops: BackwardOperands,
+    dv_p: TileQuantizer,
+    dq_ds: TileQuantizer,
+    dk_ds: TileQuantizer,
+    *,
+    causal: bool,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    ds_from_dv: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
+    """(dQ, dK, dV) in the operands' store dtype, of the scores' q (B, H, Sq, D) and k
+    (B, Hkv, Sk, D) and of V (B, Hkv, Sk, Dv). `dv_p`, `dq_ds`, `dk_ds`: the in-register
+    quantizers of P in dV and of dS in dQ and dK; `ds_from_dv`: dS = P^ (dP - D) with the P^
+    dV consumes (recipe.ds_p=dv_operand) instead of P."""
+    q, qf = ops.q
+    k, kf = ops.k
+    B, H, Sq, D = q.shape
+    Hk, Sk, Dv = k.shape[1], k.shape[2], ops.v_dp[0].shape[-1]
+    _check_tiles(block_m, block_n, dv_p=dv_p, dq_ds=dq_ds, dk_ds=dk_ds)
+    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
+    # -- D = rowsum(dO * O) --
+    delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    do_d, do_df = ops.do_delta
+    _bwd_preprocess[(triton.cdiv(Sq, block_m), B * H)](
+        ops.o.contiguous(), do_d, f32(do_df), delta, Sq, V_DIM=Dv, BLOCK_M=block_m
+    )
+    lse = ops.lse.contiguous()
+    common = dict(
+        HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        DS_FROM_DV=ds_from_dv, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    # -- dK, dV --
+    dk = torch.empty(B, Hk, Sk, D, dtype=q.dtype, device=q.device)
+    dv = torch.empty(B, Hk, Sk, Dv, dtype=q.dtype, device=q.device)
+    (do_v, f_dov), (do_p, f_dop), (v, f_v), (qd, f_qd) = ops.do_dv, ops.do_dp, ops.v_dp, ops.q_dk
+    _attn_bwd_dkdv[(triton.cdiv(Sk, block_n), B * Hk)](
+        q, k, v, qd, do_v, do_p, lse, delta, dk, dv, f32(qf), f32(kf), f32(f_dov), f32(f_dop),
+        f32(f_v), f32(f_qd), scale * LOG2E, scale, H, H // Hk, Sq, Sk, **common,
+        **dv_p.constants("DV", keys_last=False), **dk_ds.constants("DK", keys_last=False),
+    )  # fmt: skip
+    # -- dQ --
+    dq = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
+    kd, f_kd = ops.k_dq
+    _attn_bwd_dq[(triton.cdiv(Sq, block_m), B * H)](
+        q, k, v, kd, do_p, lse, delta, dq, f32(qf), f32(kf), f32(f_dop), f32(f_v), f32(f_kd),
+        scale * LOG2E, scale, H, H // Hk, Sq, Sk, **common,
+        **dv_p.constants("DV", keys_last=True), **dq_ds.constants("DQ", keys_last=True),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _check_tiles(block_m: int, block_n: int, **quantizers: TileQuantizer) -> None:
+    """Blocks along the keys must tile block_n, along the queries block_m."""
+    for field, tq in quantizers.items():
+        if tq.pq.MODE not in (2, 3):
+            continue
+        size, name = (block_n, "block_n") if tq.along_keys else (block_m, "block_m")
+        if size % tq.pq.BLOCK:
+            raise ValueError(
+                f"{name}={size} is not a multiple of {tq.pq.BLOCK}, the block size of operand "
+                f"{field!r} along the {'keys' if tq.along_keys else 'queries'}: its blocks "
+                "cannot tile it"
+            )
+
