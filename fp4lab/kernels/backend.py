@@ -248,17 +248,19 @@ _TILE_OPERANDS = ("dv_p", "dq_ds", "dk_ds")  # quantized in registers, tile by t
 _WHOLE_OPERANDS = ("dv_do", "dp_do", "dp_v", "dq_k", "dk_q")  # whole tensors, before the kernels
 
 
-def check_backward(recipe: AttentionRecipe, gpu: bool = False) -> None:
+def check_backward(
+    recipe: AttentionRecipe, gpu: bool = False, block_m: int | None = None,
+    block_n: int | None = None,
+) -> None:  # fmt: skip
     """Raise NotImplementedError for a backward mechanism the Triton backward does not run,
-    naming it, before anything runs (no silent fallback)."""
+    naming it, before anything runs (no silent fallback); ValueError for blocks of P or dS
+    that do not tile `block_m` x `block_n` (when given)."""
     missing = []
     if recipe.backward is BackwardMode.FORWARD_EXACT:
         missing.append(
             "backward=forward_exact (the forward's own P^ replayed with the row reference of "
             "each key tile)"
         )
-    if recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:
-        missing.append("delta=unquantized_p_output (Attn-QAT's second output O')")
     for field in _WHOLE_OPERANDS:
         spec = getattr(recipe, field)
         if isinstance(spec, QuantSpec) and (
@@ -270,7 +272,11 @@ def check_backward(recipe: AttentionRecipe, gpu: bool = False) -> None:
             f"recipe {recipe.name!r}: the Triton backward does not run {', '.join(missing)} "
             "yet; use backend='reference' (no silent fallback)"
         )
-    backward_quantizers(recipe, gpu)
+    quantizers = backward_quantizers(recipe, gpu)
+    if block_m is not None and block_n is not None:
+        from fp4lab.kernels.flash_bwd import check_tiles
+
+        check_tiles(block_m, block_n, **dict(zip(_TILE_OPERANDS, quantizers, strict=True)))
 
 
 def backward_quantizers(recipe: AttentionRecipe, gpu: bool = False):
@@ -356,14 +362,19 @@ class _TritonAttention(torch.autograd.Function):
 
         qs, ks, vs, factors = quantize_operands(q, k, v, recipe)
         vs_kernel = _key_major_fp8(vs) if _fp8_pv(recipe, block_n) else vs
+        grads = any(ctx.needs_input_grad[:3])
+        o_prime = None  # Attn-QAT's O', for D
+        if grads and recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:
+            o_prime = qs.new_empty(*q.shape[:3], v.shape[-1])
         o, lse = attention_forward(
             qs, ks, vs_kernel, factors, p_quantizer(recipe), causal=causal,
-            scale=scale, block_m=block_m, block_n=block_n, lse_log2=True,
+            scale=scale, block_m=block_m, block_n=block_n, lse_log2=True, o_prime=o_prime,
             **forward_options(recipe, causal, v),
         )  # fmt: skip
         out = o.to(q.dtype)
-        if any(ctx.needs_input_grad[:3]):
-            ctx.save_for_backward(q, k, v, qs, ks, vs, *factors, out, lse)
+        if grads:  # the outputs as returned (in q's dtype): D reads them so, as the simulation
+            o_prime = out if o_prime is None else o_prime.to(q.dtype)
+            ctx.save_for_backward(q, k, v, qs, ks, vs, *factors, out, o_prime, lse)
             ctx.call = (recipe, causal, scale, block_m, block_n)
         return out
 
@@ -372,11 +383,11 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, do):
         from fp4lab.kernels.flash_bwd import attention_backward
 
-        q, k, v, qs, ks, vs, qf, kf, vf, out, lse = ctx.saved_tensors
+        q, k, v, qs, ks, vs, qf, kf, vf, out, o_prime, lse = ctx.saved_tensors
         recipe, causal, scale, block_m, block_n = ctx.call
         saved = dict(
             q=q, k=k, v=v, q_hat=(qs, qf), k_hat=(ks, kf), v_hat=(vs, vf), o=out, lse=lse,
-            o_prime=None,
+            o_prime=o_prime,
         )  # fmt: skip
         dq, dk, dv = attention_backward(
             backward_operands(do, saved, recipe), *backward_quantizers(recipe), causal=causal,
@@ -407,10 +418,10 @@ def attention(
         raise NotImplementedError("dropout_p: the Triton kernels have no dropout yet")
     gpu = q.device.type == "cuda" and not _interpreted()
     check_recipe(recipe, gpu=gpu)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        check_backward(recipe, gpu=gpu)
     block_m = block_m or recipe.block_m or _DEFAULT_TILE
     block_n = block_n or recipe.block_n or _DEFAULT_TILE
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        check_backward(recipe, gpu, block_m, block_n)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     k = smooth_k(k, recipe)
     return _TritonAttention.apply(q, k, v, recipe, bool(causal), scale, block_m, block_n)

@@ -454,12 +454,12 @@ def _direct_p(
 # fmt: off
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
+    acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, first, count,
     MASKED: tl.constexpr, LEAK: tl.constexpr, REVERSE: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FIXED: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
-    ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr,
+    ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr, PRIME: tl.constexpr,
     MODE: tl.constexpr, LIFT: tl.constexpr, EQ_LO: tl.constexpr, EQ_HI: tl.constexpr,
     E_UNIT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
@@ -471,7 +471,8 @@ def _fwd_inner(
     tiles may hold keys past Sk, query rows past Sq or (causal) keys after a query; the others
     hold none, and skip the masks. LEAK > 0 (the leakage fix, causal, masked tiles only):
     where query and key share a block of LEAK positions, P and V enter unquantized (V from
-    vp_base, its product divided by V's factor, which the output takes at the end)."""
+    vp_base, its product divided by V's factor, which the output takes at the end). PRIME:
+    also Attn-QAT's O' (acc_p, l_p): the unquantized P times V^, over the sum of that P."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -514,7 +515,7 @@ def _fwd_inner(
                 LOG2_ME,
             )
             factor = 1.0 / E_MAX
-            if not ROW_SUM_Q or (MASKED and LEAK > 0):
+            if not ROW_SUM_Q or (MASKED and LEAK > 0) or PRIME:
                 p = tl.exp2(z)
         else:
             p = tl.exp2(z)
@@ -537,6 +538,11 @@ def _fwd_inner(
             l_i = l_i + row
         else:
             l_i = l_i * alpha + row
+        if PRIME:
+            if FIXED:
+                l_p = l_p + tl.sum(p, 1)
+            else:
+                l_p = l_p * alpha + tl.sum(p, 1)
         if PV_FP8:  # P and V hold E4M3 values: the FP8 tensor cores, V K-major
             vt_ptrs = v_base + offs_dv[:, None] * stride_vd + offs_n[None, :] * stride_vn
             if MASKED:
@@ -544,6 +550,8 @@ def _fwd_inner(
             else:
                 vt = tl.load(vt_ptrs)
             pv = tl.dot(p_hat.to(vt.dtype), tl.trans(vt))
+            if PRIME:
+                v = tl.trans(vt).to(tl.bfloat16)  # E4M3 values, exact in bf16
         else:
             v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
             if MASKED:
@@ -563,17 +571,24 @@ def _fwd_inner(
             head = p_exact.to(vp.dtype)
             tail = (p_exact - head.to(tl.float32)).to(vp.dtype)
             pv = pv + tl.dot(tail, vp, tl.dot(head, vp)) * inv_vf
+        if PRIME:  # unquantized P (16 bits of it) times V^
+            head = p.to(v.dtype)
+            tail = (p - head.to(tl.float32)).to(v.dtype)
+            if FIXED:
+                acc_p = acc_p + tl.dot(tail, v, tl.dot(head, v))
+            else:
+                acc_p = acc_p * alpha[:, None] + tl.dot(tail, v, tl.dot(head, v))
         if FIXED:
             acc = acc + pv
         else:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, acc_p, l_p
 
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, VP, Out, LSE, QF, KF, VF, qk_scale,
+    Q, K, V, VP, Out, OutP, LSE, QF, KF, VF, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_pb, stride_ph, stride_pn, stride_pd,
     stride_ob, stride_oh, stride_om,
@@ -589,10 +604,11 @@ def _attn_fwd(
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr,
     # the row reference: 0 the running (or lazy) maximum, 1 fp4-fa4's anchor, 2 zero
     REF: tl.constexpr, FIXED: tl.constexpr, ANCHOR_KEYS: tl.constexpr, LEAK: tl.constexpr,
-    LSE_LOG2: tl.constexpr,
+    LSE_LOG2: tl.constexpr, PRIME: tl.constexpr,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
-    units with LSE_LOG2, as the backward reads it).
+    units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
+    (laid out as Out).
 
     Its key tiles split in two ranges, in the recipe's order: the first n_free tiles hold only
     visible keys of full query rows (no masks), the rest (the diagonal band when causal, a
@@ -630,6 +646,12 @@ def _attn_fwd(
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
+    if PRIME:
+        acc_p = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
+        l_p = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:  # unused
+        acc_p = tl.zeros([1, 1], dtype=tl.float32)
+        l_p = tl.zeros([1], dtype=tl.float32)
     n_tiles = tl.cdiv(Sk, BLOCK_N)
     n_free = Sk // BLOCK_N  # whole key tiles
     if CAUSAL:
@@ -642,18 +664,18 @@ def _attn_fwd(
         first1, count1, first2, count2 = n_tiles - 1, n_tiles - n_free, n_free - 1, n_free
     else:
         first1, count1, first2, count2 = 0, n_free, n_free, n_tiles - n_free
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
+    acc, l_i, m_i, acc_p, l_p = _fwd_inner(
+        acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, first1, count1,
         REVERSE, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY,
-        LAZY_LOG2, ROW_SUM_Q, PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
+        LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
         S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
     )
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
+    acc, l_i, m_i, acc_p, l_p = _fwd_inner(
+        acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, first2, count2,
         not REVERSE, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY,
-        LAZY_LOG2, ROW_SUM_Q, PV_FP8, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
+        LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
         S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
     )
     empty = l_i == 0.0
@@ -663,8 +685,12 @@ def _attn_fwd(
         lse = lse * 0.6931471805599453
     lse = tl.where(empty, float("inf"), lse)
     tl.store(LSE + bh * Sq + offs_m, lse, mask=rows)
-    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=rows[:, None])
+    o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
+    tl.store(Out + o_offs, out.to(Out.dtype.element_ty), mask=rows[:, None])
+    if PRIME:
+        empty_p = l_p == 0.0
+        out_p = tl.where(empty_p[:, None], 0.0, acc_p / tl.where(empty_p, 1.0, l_p)[:, None])
+        tl.store(OutP + o_offs, (out_p * out_factor).to(OutP.dtype.element_ty), mask=rows[:, None])
 # fmt: on
 
 
@@ -692,6 +718,7 @@ def attention_forward(
     leakage_block: int = 0,
     v_plain=None,
     lse_log2: bool = False,
+    o_prime: torch.Tensor | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
@@ -703,7 +730,9 @@ def attention_forward(
     `anchor_keys` keys plus `anchor_margin` in score units, fixed) or "zero". `lse_log2`:
     return the log-sum-exp in log2 units (m + log2 l, the kernel's own, before its conversion
     to natural units), which the backward rebuilds P from: a row whose l is 1 then gets
-    P = exp2(0) = 1 exactly again, as the simulation's exp(S - lse) does."""
+    P = exp2(0) = 1 exactly again, as the simulation's exp(S - lse) does. `o_prime`: a tensor
+    shaped and laid out as the output, filled with Attn-QAT's O' = (P V^) / rowsum(P) of the
+    unquantized P (`DeltaSource.UNQUANTIZED_P_OUTPUT`), or None."""
     if reference not in _REFERENCES:
         raise ValueError(f"reference must be one of {', '.join(_REFERENCES)}; got {reference!r}")
     if reference == "anchor" and not 0 < anchor_keys <= block_n:
@@ -724,9 +753,14 @@ def attention_forward(
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(Sq, block_m), B * H)
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
+    if o_prime is not None and (o_prime.shape != o.shape or o_prime.stride() != o.stride()):
+        raise ValueError(
+            f"o_prime must be shaped and laid out as the output {tuple(o.shape)}, got "
+            f"{tuple(o_prime.shape)} with strides {o_prime.stride()}"
+        )
     # fmt: off
     _attn_fwd[grid](
-        q, k, v, v_plain, o, lse, qf, kf, vf, scale * LOG2E,
+        q, k, v, v_plain, o, o if o_prime is None else o_prime, lse, qf, kf, vf, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), *v_plain.stride(),
         o.stride(0), o.stride(1), o.stride(2),
@@ -739,7 +773,8 @@ def attention_forward(
         S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
         RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
         LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
-        ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, num_warps=num_warps,
+        ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=o_prime is not None,
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     # fmt: on

@@ -579,7 +579,7 @@ def attention_backward(
     k, kf = ops.k
     B, H, Sq, D = q.shape
     Hk, Sk, Dv = k.shape[1], k.shape[2], ops.v_dp[0].shape[-1]
-    _check_tiles(block_m, block_n, dv_p=dv_p, dq_ds=dq_ds, dk_ds=dk_ds)
+    check_tiles(block_m, block_n, dv_p=dv_p, dq_ds=dq_ds, dk_ds=dk_ds)
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     # -- D = rowsum(dO * O) --
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -612,7 +612,7 @@ def attention_backward(
     return dq, dk, dv
 
 
-def _check_tiles(block_m: int, block_n: int, **quantizers: TileQuantizer) -> None:
+def check_tiles(block_m: int, block_n: int, **quantizers: TileQuantizer) -> None:
     """Blocks along the keys must tile block_n, along the queries block_m."""
     for field, tq in quantizers.items():
         if tq.pq.MODE not in (2, 3):
