@@ -13,7 +13,17 @@ quantized by the fused Triton quantizer, then the kernel at the backend's defaul
 Also (`--reference`): the simulation path itself on CUDA, the `exact` recipe's forward at
 B1 H16 S4096 D128 bf16 beside SDPA (issue 9: within 20x).
 
-    python benchmarks/bench_attention_gpu.py [--recipes exact nvfp4 ...] [--reference] [--out DIR]
+Also (`--backward`): forward plus backward, the whole `fp4lab.attention(...).backward(dO)`
+call (Q, K, V, dO quantized by the fused quantizer, the forward kernel, the three backward
+kernels of `fp4lab.kernels.flash_bwd`) beside SDPA's forward plus backward in the same run,
+at B4 H16 S4096 D128 over a few tiles (the backward's warps and stages at their defaults),
+each first checked against the simulation's gradients on a slice (B1 H2 S1024, the same
+tiles; the worst relative L2 of dQ, dK, dV). FLOPs count the forward's 4 B H S^2 D (half
+causal) times 3.5 (the backward does 2.5 times the forward's). Issue 9's goal:
+`fa4fp4_causal` at least 0.35x SDPA's forward plus backward.
+
+    python benchmarks/bench_attention_gpu.py [--recipes exact nvfp4 ...] [--reference]
+        [--backward [--backward-recipes fa4fp4_causal ...]] [--no-kernels] [--out DIR]
 """
 
 from __future__ import annotations
@@ -69,10 +79,17 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--reference", action="store_true", help="time the simulation on CUDA too")
-    parser.add_argument("--no-kernels", action="store_true", help="skip the kernels' timings")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the forward timings")
+    parser.add_argument("--backward", action="store_true", help="time forward plus backward")
+    parser.add_argument(
+        "--backward-recipes", nargs="+",
+        default=["fa4fp4_causal", "exact", "nvfp4", "fa3_fp8", "attn_qat"],
+    )  # fmt: skip
     args = parser.parse_args()
     if args.reference:
         reference_on_cuda()
+    if args.backward:
+        forward_backward(args.backward_recipes, args.out)
     if args.no_kernels:
         return
     b, h, s, d = SHAPE["B"], SHAPE["H"], SHAPE["S"], SHAPE["D"]
@@ -165,6 +182,86 @@ def main() -> None:
                     "check": float("nan"),
                 }
             )
+
+
+BACKWARD_TILES = [(64, 64), (128, 64), (128, 128)]
+
+
+def gradients(recipe, q, k, v, do, causal, block_m, block_n, backend_name="triton"):
+    """dQ, dK, dV of one fp4lab.attention call with `backend_name`."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fp4lab.attention(*leaves, recipe, causal=causal, backend=backend_name,
+                           block_m=block_m, block_n=block_n)  # fmt: skip
+    out.backward(do)
+    return [x.grad for x in leaves]
+
+
+def check_backward(recipe, causal, block_m, block_n) -> float:
+    """Kernel against the simulation's gradients on a slice: the worst relative L2 of the three."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, do = (
+        torch.randn(1, 2, 1024, 128, device="cuda", generator=g).bfloat16() for _ in range(4)
+    )
+    got = gradients(recipe, q, k, v, do, causal, block_m, block_n)
+    want = gradients(recipe, q, k, v, do, causal, block_m, block_n, "reference")
+    return max(((a.float() - b.float()).norm() / b.float().norm()).item()
+               for a, b in zip(got, want, strict=True))  # fmt: skip
+
+
+def forward_backward(recipes, out_dir) -> None:
+    """fp4lab.attention forward plus backward beside SDPA's, B4 H16 S4096 D128 bf16."""
+    b, h, s, d = SHAPE["B"], SHAPE["H"], SHAPE["S"], SHAPE["D"]
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v, do = (
+        torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16() for _ in range(4)
+    )
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    rows = []
+    print(f"forward + backward, B{b} H{h} S{s} D{d} bf16; check = worst gradient vs simulation "
+          "on B1 H2 S1024")  # fmt: skip
+    print(f"{'recipe':30s} {'causal':6s} {'tiles':10s} {'ms':>8s} {'TFLOP/s':>8s} "
+          f"{'x SDPA':>7s} {'check':>8s}")  # fmt: skip
+
+    def timed(fn) -> float:
+        return triton.testing.do_bench(fn, grad_to_none=leaves)
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        print(f"{row['recipe']:30s} {str(row['causal']):6s} {row['tiles']:10s} {row['ms']:8.3f} "
+              f"{row['tflops']:8.1f} {row['x_sdpa']:7.3f} {row['check']:8.1e} "
+              f"{row.get('error', '')}", flush=True)  # fmt: skip
+        with open(os.path.join(out_dir, "bench_attention_gpu_backward.json"), "w") as f:
+            json.dump({"shape": SHAPE, "device": torch.cuda.get_device_name(), "rows": rows}, f,
+                      indent=1)  # fmt: skip
+
+    for causal in (False, True):
+        flops = 3.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+
+        def sdpa(causal=causal):
+            F.scaled_dot_product_attention(*leaves, is_causal=causal).backward(do)
+
+        sdpa_ms = timed(sdpa)
+        emit(dict(recipe="sdpa (bf16, default backend)", causal=causal, tiles="-", ms=sdpa_ms,
+                  tflops=flops / sdpa_ms / 1e9, x_sdpa=1.0, check=0.0))  # fmt: skip
+        for name in recipes:
+            recipe = resolve_recipe(name)
+            for bm, bn in BACKWARD_TILES:
+                row = dict(recipe=name, causal=causal, tiles=f"{bm}x{bn}")
+                try:
+                    diff = check_backward(recipe, causal, bm, bn)
+
+                    def call(r=recipe, c=causal, bm=bm, bn=bn):
+                        fp4lab.attention(*leaves, r, causal=c, backend="triton", block_m=bm,
+                                         block_n=bn).backward(do)  # fmt: skip
+
+                    ms = timed(call)
+                except Exception as err:  # a configuration that does not compile, fit or tile
+                    nan = float("nan")
+                    emit({**row, "ms": nan, "tflops": nan, "x_sdpa": nan, "check": nan,
+                          "error": repr(err)[:200]})  # fmt: skip
+                    continue
+                emit({**row, "ms": ms, "tflops": flops / ms / 1e9, "x_sdpa": sdpa_ms / ms,
+                      "check": diff})  # fmt: skip
 
 
 def reference_on_cuda() -> None:

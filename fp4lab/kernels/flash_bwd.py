@@ -624,4 +624,3 @@ def check_tiles(block_m: int, block_n: int, **quantizers: TileQuantizer) -> None
                 f"{field!r} along the {'keys' if tq.along_keys else 'queries'}: its blocks "
                 "cannot tile it"
             )
-
