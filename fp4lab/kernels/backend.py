@@ -256,11 +256,6 @@ def check_backward(
     naming it, before anything runs (no silent fallback); ValueError for blocks of P or dS
     that do not tile `block_m` x `block_n` (when given)."""
     missing = []
-    if recipe.backward is BackwardMode.FORWARD_EXACT:
-        missing.append(
-            "backward=forward_exact (the forward's own P^ replayed with the row reference of "
-            "each key tile)"
-        )
     for field in _WHOLE_OPERANDS:
         spec = getattr(recipe, field)
         if isinstance(spec, QuantSpec) and (
@@ -281,10 +276,11 @@ def check_backward(
 
 def backward_quantizers(recipe: AttentionRecipe, gpu: bool = False):
     """The in-register quantizers (P in dV, dS in dQ, dS in dK) as `TileQuantizer`s; with the
-    straight-through backward, P in dV takes the forward's quantizer, along the keys."""
+    straight-through backward (and forward_exact's replay), P in dV takes the forward's
+    quantizer, along the keys."""
     from fp4lab.kernels.flash_bwd import TileQuantizer
 
-    if recipe.backward is BackwardMode.STRAIGHT_THROUGH:
+    if recipe.backward is not BackwardMode.FLASH:  # straight through, or the forward's own P^
         dv_p = TileQuantizer(p_quantizer(recipe), along_keys=True)
     else:
         dv_p = TileQuantizer.of(
@@ -363,18 +359,22 @@ class _TritonAttention(torch.autograd.Function):
         qs, ks, vs, factors = quantize_operands(q, k, v, recipe)
         vs_kernel = _key_major_fp8(vs) if _fp8_pv(recipe, block_n) else vs
         grads = any(ctx.needs_input_grad[:3])
-        o_prime = None  # Attn-QAT's O', for D
+        o_prime = m_ref = None  # Attn-QAT's O', for D; the row references, for the replay
         if grads and recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:
             o_prime = qs.new_empty(*q.shape[:3], v.shape[-1])
+        if grads and recipe.backward is BackwardMode.FORWARD_EXACT:
+            n_k = -(-k.shape[2] // block_n)
+            m_ref = torch.zeros(*q.shape[:3], n_k, dtype=torch.float32, device=q.device)
         o, lse = attention_forward(
             qs, ks, vs_kernel, factors, p_quantizer(recipe), causal=causal,
             scale=scale, block_m=block_m, block_n=block_n, lse_log2=True, o_prime=o_prime,
-            **forward_options(recipe, causal, v),
+            m_ref=m_ref, **forward_options(recipe, causal, v),
         )  # fmt: skip
         out = o.to(q.dtype)
         if grads:  # the outputs as returned (in q's dtype): D reads them so, as the simulation
             o_prime = out if o_prime is None else o_prime.to(q.dtype)
-            ctx.save_for_backward(q, k, v, qs, ks, vs, *factors, out, o_prime, lse)
+            m_ref = lse if m_ref is None else m_ref
+            ctx.save_for_backward(q, k, v, qs, ks, vs, *factors, out, o_prime, lse, m_ref)
             ctx.call = (recipe, causal, scale, block_m, block_n)
         return out
 
@@ -383,8 +383,9 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, do):
         from fp4lab.kernels.flash_bwd import attention_backward
 
-        q, k, v, qs, ks, vs, qf, kf, vf, out, o_prime, lse = ctx.saved_tensors
+        q, k, v, qs, ks, vs, qf, kf, vf, out, o_prime, lse, m_ref = ctx.saved_tensors
         recipe, causal, scale, block_m, block_n = ctx.call
+        replay = recipe.backward is BackwardMode.FORWARD_EXACT
         saved = dict(
             q=q, k=k, v=v, q_hat=(qs, qf), k_hat=(ks, kf), v_hat=(vs, vf), o=out, lse=lse,
             o_prime=o_prime,
@@ -392,6 +393,8 @@ class _TritonAttention(torch.autograd.Function):
         dq, dk, dv = attention_backward(
             backward_operands(do, saved, recipe), *backward_quantizers(recipe), causal=causal,
             scale=scale, block_m=block_m, block_n=block_n, ds_from_dv=recipe.ds_p is DsP.DV_OPERAND,
+            m_ref=m_ref if replay else None,
+            leakage_block=recipe.leakage_block if replay and recipe.leakage_fix and causal else 0,
         )  # fmt: skip
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 

@@ -454,9 +454,10 @@ def _direct_p(
 # fmt: off
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
-    stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, first, count,
-    MASKED: tl.constexpr, LEAK: tl.constexpr, REVERSE: tl.constexpr,
+    acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
+    qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
+    first, count,
+    MASKED: tl.constexpr, SAVE_M: tl.constexpr, LEAK: tl.constexpr, REVERSE: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FIXED: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
     ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr, PRIME: tl.constexpr,
@@ -472,7 +473,8 @@ def _fwd_inner(
     hold none, and skip the masks. LEAK > 0 (the leakage fix, causal, masked tiles only):
     where query and key share a block of LEAK positions, P and V enter unquantized (V from
     vp_base, its product divided by V's factor, which the output takes at the end). PRIME:
-    also Attn-QAT's O' (acc_p, l_p): the unquantized P times V^, over the sum of that P."""
+    also Attn-QAT's O' (acc_p, l_p): the unquantized P times V^, over the sum of that P.
+    SAVE_M: each tile's row reference into mref_base (row-major, n_k tiles a row)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -507,6 +509,8 @@ def _fwd_inner(
             else:
                 m_use = m_new
             alpha = tl.exp2(m_i - m_use)
+        if SAVE_M:  # for a backward that replays this P^ (backward=forward_exact)
+            tl.store(mref_base + offs_m * n_k + start_n // BLOCK_N, m_use, mask=rows)
         z = qk - m_use[:, None]  # log2 P
         # -- quantize P --
         if MODE == 3:  # Direct-P: codes from z itself
@@ -588,7 +592,7 @@ def _fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, VP, Out, OutP, LSE, QF, KF, VF, qk_scale,
+    Q, K, V, VP, Out, OutP, LSE, MRef, QF, KF, VF, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_pb, stride_ph, stride_pn, stride_pd,
     stride_ob, stride_oh, stride_om,
@@ -604,11 +608,11 @@ def _attn_fwd(
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr,
     # the row reference: 0 the running (or lazy) maximum, 1 fp4-fa4's anchor, 2 zero
     REF: tl.constexpr, FIXED: tl.constexpr, ANCHOR_KEYS: tl.constexpr, LEAK: tl.constexpr,
-    LSE_LOG2: tl.constexpr, PRIME: tl.constexpr,
+    LSE_LOG2: tl.constexpr, PRIME: tl.constexpr, SAVE_M: tl.constexpr,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
     units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
-    (laid out as Out).
+    (laid out as Out); with SAVE_M each key tile's row reference into MRef (B, H, Sq, n tiles).
 
     Its key tiles split in two ranges, in the recipe's order: the first n_free tiles hold only
     visible keys of full query rows (no masks), the rest (the diagonal band when causal, a
@@ -653,6 +657,8 @@ def _attn_fwd(
         acc_p = tl.zeros([1, 1], dtype=tl.float32)
         l_p = tl.zeros([1], dtype=tl.float32)
     n_tiles = tl.cdiv(Sk, BLOCK_N)
+    n_k = n_tiles
+    mref_base = MRef + bh.to(tl.int64) * Sq * n_k
     n_free = Sk // BLOCK_N  # whole key tiles
     if CAUSAL:
         n_tiles = tl.minimum(n_tiles, tl.cdiv(tl.minimum(m0 + BLOCK_M, Sq), BLOCK_N))
@@ -665,18 +671,20 @@ def _attn_fwd(
     else:
         first1, count1, first2, count2 = 0, n_free, n_free, n_tiles - n_free
     acc, l_i, m_i, acc_p, l_p = _fwd_inner(
-        acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, first1, count1,
-        REVERSE, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY,
-        LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
-        S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
+        acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
+        qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
+        first1, count1, REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
+        CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
+        E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
+        EMAX_E, LOG2_ME,
     )
     acc, l_i, m_i, acc_p, l_p = _fwd_inner(
-        acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, offs_m, rows, qk_scale, inv_vf, Sk,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd, first2, count2,
-        not REVERSE, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, CAUSAL, FIXED, LAZY,
-        LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
-        S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME,
+        acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
+        qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
+        first2, count2, not REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
+        CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
+        E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
+        EMAX_E, LOG2_ME,
     )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
@@ -719,6 +727,7 @@ def attention_forward(
     v_plain=None,
     lse_log2: bool = False,
     o_prime: torch.Tensor | None = None,
+    m_ref: torch.Tensor | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
@@ -732,7 +741,9 @@ def attention_forward(
     to natural units), which the backward rebuilds P from: a row whose l is 1 then gets
     P = exp2(0) = 1 exactly again, as the simulation's exp(S - lse) does. `o_prime`: a tensor
     shaped and laid out as the output, filled with Attn-QAT's O' = (P V^) / rowsum(P) of the
-    unquantized P (`DeltaSource.UNQUANTIZED_P_OUTPUT`), or None."""
+    unquantized P (`DeltaSource.UNQUANTIZED_P_OUTPUT`), or None. `m_ref`: a contiguous fp32
+    (B, H, Sq, cdiv(Sk, block_n)) tensor filled with the row reference each key tile's P took
+    (log2 units; tiles a row does not visit are left as they were), or None."""
     if reference not in _REFERENCES:
         raise ValueError(f"reference must be one of {', '.join(_REFERENCES)}; got {reference!r}")
     if reference == "anchor" and not 0 < anchor_keys <= block_n:
@@ -753,6 +764,10 @@ def attention_forward(
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(Sq, block_m), B * H)
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
+    n_k = triton.cdiv(Sk, block_n)
+    if m_ref is not None and (m_ref.shape != (B, H, Sq, n_k) or not m_ref.is_contiguous()):
+        raise ValueError(f"m_ref must be a contiguous {(B, H, Sq, n_k)} tensor, got "
+                         f"{tuple(m_ref.shape)}")  # fmt: skip
     if o_prime is not None and (o_prime.shape != o.shape or o_prime.stride() != o.stride()):
         raise ValueError(
             f"o_prime must be shaped and laid out as the output {tuple(o.shape)}, got "
@@ -760,7 +775,8 @@ def attention_forward(
         )
     # fmt: off
     _attn_fwd[grid](
-        q, k, v, v_plain, o, o if o_prime is None else o_prime, lse, qf, kf, vf, scale * LOG2E,
+        q, k, v, v_plain, o, o if o_prime is None else o_prime, lse,
+        lse if m_ref is None else m_ref, qf, kf, vf, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), *v_plain.stride(),
         o.stride(0), o.stride(1), o.stride(2),
@@ -774,6 +790,7 @@ def attention_forward(
         RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
         LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
         ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=o_prime is not None,
+        SAVE_M=m_ref is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -46,10 +46,15 @@ scale, alpha grids' 1/M_e, whole-tensor operands' per-head factors) multiply eac
 product, and an operand that is not bf16-exact (unquantized P or dS, a format wider than
 bf16's 8 significant bits) enters its product as two bf16 halves (`_dot`, 16 bits).
 
+The exact gradient of the forward as it ran (backward=forward_exact, what
+`gradient_bias(..., reference="forward")` measures a backward against) takes dV from the
+forward's own P^ tiles, replayed in the dK/dV kernel from the row reference each key tile of
+the forward used (the forward saves them: `attention_forward`'s m_ref) with the forward's P
+quantizer, along the keys.
+
 What is not here (each refused by `fp4lab.kernels.backend.check_backward` before anything
-runs): the exact gradient of the forward as it ran (backward=forward_exact, which replays the
-forward's P^ with the row references it used), stochastic rounding, Hadamard transforms and
-2-D blocks, fixed scales on P or dS, dropout and the trace.
+runs): stochastic rounding, Hadamard transforms and 2-D blocks, fixed scales on P or dS,
+dropout and the trace.
 """
 
 from __future__ import annotations
@@ -246,10 +251,11 @@ def _bwd_preprocess(Out, DO, DOF, Delta, Sq, V_DIM: tl.constexpr, BLOCK_M: tl.co
 # fmt: off
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, q_base, qd_base, dov_base, dop_base, lse_base, delta_base, offs_n, cols,
-    qk_scale, f_dov, f_dp, f_q, Sq, first, count,
+    dk, dv, k, v, q_base, qd_base, dov_base, dop_base, lse_base, delta_base, mref_base, n_k,
+    key_tile, offs_n, cols, qk_scale, f_dov, f_dp, f_q, Sq, first, count,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
+    REPLAY: tl.constexpr, LEAK: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -265,7 +271,11 @@ def _dkdv_inner(
 ):
     """`count` query tiles of one query head from query tile `first` against one key tile,
     tiles held (keys, queries). MASKED tiles may hold rows past Sq, keys past Sk or (causal)
-    queries before a key; the others hold none, and skip the masks."""
+    queries before a key; the others hold none, and skip the masks. REPLAY
+    (backward=forward_exact): dV's P is the forward's own P^, rebuilt against the row
+    reference the forward saved for this key tile (mref_base, n_k tiles a row), its diagonal
+    blocks unquantized where the forward's leakage fix (LEAK) left them so, normalized by
+    exp2(m_j - lse)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -283,19 +293,44 @@ def _dkdv_inner(
             qt = tl.load(qt_ptrs)
             lse = tl.load(lse_base + offs_m)
         # -- rebuild P^T from the forward's lse --
-        zt = tl.dot(k, qt) * qk_scale - lse[None, :]  # (BLOCK_N, BLOCK_M)
+        st = tl.dot(k, qt) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        zt = st - lse[None, :]
+        if REPLAY:  # the row reference the forward's P of this tile took
+            if MASKED:
+                m_j = tl.load(mref_base + offs_m * n_k + key_tile, mask=rows, other=0.0)
+            else:
+                m_j = tl.load(mref_base + offs_m * n_k + key_tile)
+            zf = st - m_j[None, :]
         if MASKED:
             keep = cols[:, None] & rows[None, :]
             if CAUSAL:
                 keep = keep & (offs_m[None, :] >= offs_n[:, None])
             zt = tl.where(keep, zt, -float("inf"))
+            if REPLAY:
+                zf = tl.where(keep, zf, -float("inf"))
         pt = tl.exp2(zt)
         # -- dV += P^^T dO --
-        p_dv, f_dv = _quantize_tile(
-            pt, zt, BLOCK_N, BLOCK_M, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT,
-            DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK,
-            DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS,
-        )
+        if REPLAY:
+            pf = tl.exp2(zf)
+            p_hat, f_hat = _quantize_tile(
+                pf, zf, BLOCK_N, BLOCK_M, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI,
+                DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI,
+                DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS,
+            )
+            p_dv = p_hat * f_hat
+            if LEAK > 0:
+                diagonal = (offs_m[None, :] // LEAK) == (offs_n[:, None] // LEAK)
+                p_dv = tl.where(diagonal, pf, p_dv)
+            p_dv = p_dv * tl.exp2(m_j - lse)[None, :]
+            if MASKED:  # rows that never saw this tile hold no reference
+                p_dv = tl.where(keep, p_dv, 0.0)
+            f_dv = 1.0
+        else:
+            p_dv, f_dv = _quantize_tile(
+                pt, zt, BLOCK_N, BLOCK_M, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI,
+                DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI,
+                DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS,
+            )
         if MASKED:
             do_v = tl.load(dov_ptrs, mask=rows[:, None], other=0.0)  # (BLOCK_M, V_DIM)
             do_t = tl.load(dot_ptrs, mask=rows[None, :], other=0.0)  # (V_DIM, BLOCK_M)
@@ -327,10 +362,10 @@ def _dkdv_inner(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, QD, DOV, DOP, LSE, DELTA, DK, DV, QF, KF, DOVF, DOPF, VF, QDF, qk_scale, scale,
-    H, G, Sq, Sk,
+    Q, K, V, QD, DOV, DOP, LSE, DELTA, MRef, DK, DV, QF, KF, DOVF, DOPF, VF, QDF, qk_scale,
+    scale, H, G, Sq, Sk,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr, REPLAY: tl.constexpr, LEAK: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -349,7 +384,8 @@ def _attn_bwd_dkdv(
 
     Its query tiles split in three ranges: the causal band (queries before some of its keys)
     and every tile when the key tile is partial, masked; the whole tiles past the band,
-    unmasked; a partial last query tile, masked."""
+    unmasked; a partial last query tile, masked. REPLAY: see `_dkdv_inner` (MRef: the row
+    references, (B, H, Sq, n key tiles))."""
     start_n = tl.program_id(0)
     bhk = tl.program_id(1)
     Hk = H // G
@@ -370,6 +406,7 @@ def _attn_bwd_dkdv(
     # the query tiles in three ranges: [lo, a) masked, [a, e) unmasked, [c, n_q) masked
     n_q = tl.cdiv(Sq, BLOCK_M)
     n_full = Sq // BLOCK_M
+    n_k = tl.cdiv(Sk, BLOCK_N)
     lo = 0
     mid = 0
     if CAUSAL:  # the first tile with a row at or after n0; the first with all rows after the keys
@@ -399,8 +436,9 @@ def _attn_bwd_dkdv(
                 first, count = c, tl.maximum(n_q - c, 0)
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, qd_base, dov_base, dop_base, LSE + q_row0, DELTA + q_row0,
-                offs_n, cols, s_h, f_dov, f_dp, f_q, Sq, first, count,
-                r != 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV,
+                MRef + q_row0 * n_k, n_k, start_n, offs_n, cols, s_h, f_dov, f_dp, f_q, Sq,
+                first, count, r != 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV,
+                REPLAY, LEAK,
                 DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
                 DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
                 DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SPLIT,
@@ -568,13 +606,18 @@ def attention_backward(
     block_m: int,
     block_n: int,
     ds_from_dv: bool = False,
+    m_ref: torch.Tensor | None = None,
+    leakage_block: int = 0,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
     """(dQ, dK, dV) in the operands' store dtype, of the scores' q (B, H, Sq, D) and k
     (B, Hkv, Sk, D) and of V (B, Hkv, Sk, Dv). `dv_p`, `dq_ds`, `dk_ds`: the in-register
     quantizers of P in dV and of dS in dQ and dK; `ds_from_dv`: dS = P^ (dP - D) with the P^
-    dV consumes (recipe.ds_p=dv_operand) instead of P."""
+    dV consumes (recipe.ds_p=dv_operand) instead of P. `m_ref` (backward=forward_exact): the
+    row references the forward saved (`attention_forward`'s m_ref), from which dV replays the
+    forward's own P^ with `dv_p` the forward's P quantizer; `leakage_block`: the forward's
+    leakage fix, whose diagonal blocks of P that P^ leaves unquantized."""
     q, qf = ops.q
     k, kf = ops.k
     B, H, Sq, D = q.shape
@@ -596,10 +639,14 @@ def attention_backward(
     dk = torch.empty(B, Hk, Sk, D, dtype=q.dtype, device=q.device)
     dv = torch.empty(B, Hk, Sk, Dv, dtype=q.dtype, device=q.device)
     (do_v, f_dov), (do_p, f_dop), (v, f_v), (qd, f_qd) = ops.do_dv, ops.do_dp, ops.v_dp, ops.q_dk
+    dv_constants = dv_p.constants("DV", keys_last=False)
+    if m_ref is not None:  # the replayed P^, normalized, is no longer bf16-exact
+        dv_constants["DV_SPLIT"] = True
     _attn_bwd_dkdv[(triton.cdiv(Sk, block_n), B * Hk)](
-        q, k, v, qd, do_v, do_p, lse, delta, dk, dv, f32(qf), f32(kf), f32(f_dov), f32(f_dop),
-        f32(f_v), f32(f_qd), scale * LOG2E, scale, H, H // Hk, Sq, Sk, **common,
-        **dv_p.constants("DV", keys_last=False), **dk_ds.constants("DK", keys_last=False),
+        q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv, f32(qf),
+        f32(kf), f32(f_dov), f32(f_dop), f32(f_v), f32(f_qd), scale * LOG2E, scale, H, H // Hk,
+        Sq, Sk, REPLAY=m_ref is not None, LEAK=leakage_block, **common, **dv_constants,
+        **dk_ds.constants("DK", keys_last=False),
     )  # fmt: skip
     # -- dQ --
     dq = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)

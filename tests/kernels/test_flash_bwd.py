@@ -221,11 +221,23 @@ def test_what_the_backward_does_not_run_is_refused_by_name(fields, what):
     fp4lab.attention(q, k, v, recipe, backend="triton")  # the forward alone still runs
 
 
-def test_the_exact_gradient_of_the_forward_is_refused_by_name():
-    q, k, v, do = inputs(1, 1, 1, 32, 32, 32, seed=4)
-    recipe = resolve_recipe("nvfp4").with_exact_backward()
-    with pytest.raises(NotImplementedError, match="backward=forward_exact"):
-        gradients(q, k, v, do, recipe)
+@pytest.mark.parametrize(
+    "recipe",
+    ["nvfp4", "fa3_fp8", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_fixed"],
+)
+def test_the_exact_gradient_of_the_forward_as_it_ran(recipe):
+    # backward=forward_exact replays the forward's P^ from the row reference each key tile
+    # took: the running maximum (nvfp4), in reverse order with a lift (fa3_fp8), the lazy one
+    # (fa4fp4_causal), the anchor with Direct-P (mxfp4pv), and the leakage fix's unquantized
+    # diagonal blocks (_fixed); it lies far from the recipe's own backward
+    exact_of_forward = resolve_recipe(recipe).with_exact_backward()
+    q, k, v, do = inputs(1, 2, 1, 64, 96, 32, seed=zlib.crc32(recipe.encode()) % 1000)
+    tiles = dict(block_m=32, block_n=32, causal=True)
+    got = gradients(q, k, v, do, exact_of_forward, **tiles)
+    want = gradients(q, k, v, do, exact_of_forward, "reference", **tiles)
+    assert_close(got, want, BUDGET, exact_of_forward.name)
+    own = gradients(q, k, v, do, recipe, "reference", **tiles)
+    assert max(rel(got[g], own[g]) for g in GRADS) > 2 * BUDGET
 
 
 def test_blocks_that_do_not_tile_the_tiles_are_refused_before_the_forward():
