@@ -67,6 +67,8 @@ def check_recipe(recipe: AttentionRecipe, gpu: bool = False) -> None:
             missing.append(name)
     if recipe.stochastic:
         missing.append("stochastic rounding")
+    if recipe.block_axis("p") != -1:
+        missing.append("p blocked along the queries (block_axes; the kernel blocks P along keys)")
     for field in ("q", "k", "v"):
         spec = getattr(recipe, field)
         if isinstance(spec, QuantSpec) and (

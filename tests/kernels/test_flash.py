@@ -169,6 +169,14 @@ def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, what):
         fp4lab.attention(q, k, v, recipe, backend="triton")
 
 
+def test_p_blocked_along_the_queries_is_refused():
+    # the kernel blocks P along the keys only; block_axes moving it would be run wrongly
+    recipe = dataclasses.replace(resolve_recipe("nvfp4"), name="t", block_axes=(("p", -2),))
+    q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)
+    with pytest.raises(NotImplementedError, match="p blocked along the queries"):
+        fp4lab.attention(q, k, v, recipe, backend="triton")
+
+
 def test_trace_mask_and_dtype_are_refused_not_replaced():
     q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=5)
     with pytest.raises(NotImplementedError, match="trace"):
