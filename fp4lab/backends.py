@@ -3,8 +3,8 @@
 Two backends share one `AttentionRecipe` and one `Trace` schema (DESIGN.md):
 - ``"reference"``: the simulation path, `fp4lab.analysis.attention` (plain torch, any device,
   float64-capable, fully instrumented);
-- ``"triton"``: the fused GPU kernels of `fp4lab.kernels` (the forward of the recipes they
-  cover so far; anything else raises, see `fp4lab.kernels.backend`).
+- ``"triton"``: the fused GPU kernels of `fp4lab.kernels` (forward and backward of the
+  recipes they cover so far; anything else raises, see `fp4lab.kernels.backend`).
 
 The backend is never picked for you and a missing one never falls back to the other: a
 study that asked for the kernels must not silently measure the reference.
@@ -46,7 +46,8 @@ def attention(
 
     Raises:
         NotImplementedError: backend="triton" for what its kernels do not run yet (the
-            backward, the trace, some recipe mechanisms), or without triton installed.
+            trace, some recipe mechanisms of the forward or the backward), or without triton
+            installed.
         ValueError: any other backend than "reference" or "triton".
     """
     if backend not in BACKENDS:

@@ -8,11 +8,14 @@ What exists:
 - `random`: Philox4x32-10 in Triton, bit-identical to `fp4lab.formats.philox`;
 - `flash`: FlashAttention's forward with P quantized in registers along the keys, driven by
   an `fp4lab.recipes.AttentionRecipe`;
-- `backend`: `fp4lab.attention(..., backend="triton")`, which quantizes Q, K, V with
-  `quantize` and runs `flash`.
+- `flash_bwd`: FlashAttention-2's backward (a preprocess for D, a dK/dV kernel per key tile,
+  a dQ kernel per query tile) with P and dS quantized in registers as the recipe's backward
+  fields say: the flash, straight-through and forward-exact backwards;
+- `backend`: `fp4lab.attention(..., backend="triton")`, which quantizes Q, K, V (and dO)
+  with `quantize` and runs `flash` and, through autograd, `flash_bwd`.
 
-Not yet: the backward, the per-tile trace, and the recipe mechanisms `fp4lab.kernels.flash`
-lists; asking for them raises `NotImplementedError` naming them, never a silent fallback to
-the reference. The modules here import `triton`, which is not a dependency of the CPU
-install; nothing here is imported eagerly.
+Not yet: the per-tile trace, and the recipe mechanisms `fp4lab.kernels.flash` and
+`fp4lab.kernels.backend.check_backward` list; asking for them raises `NotImplementedError`
+naming them, never a silent fallback to the reference. The modules here import `triton`,
+which is not a dependency of the CPU install; nothing here is imported eagerly.
 """

@@ -7,9 +7,18 @@ handed to the kernel as bf16 values that are exact (codes times block scales)
 plus fp32 factors per (batch, head) for what bf16 cannot hold (tensor scales, the 1/M_e of an
 alpha grid). P is quantized inside the kernel (`fp4lab.kernels.flash`).
 
+The backward (`fp4lab.kernels.flash_bwd`, through the autograd Function here) quantizes its
+whole-tensor operands the same way, as the recipe's backward fields say (dO for dV and for
+dP, V, K and Q for dP, dQ and dK; or the forward's Q^, K^, V^ for the straight-through and
+forward_exact backwards), and P and dS inside its kernels. K smoothing runs outside the
+Function, as in the simulation, so K's gradient takes the mean's Jacobian in torch. A call
+whose inputs require grad is checked for the backward too, before the forward runs.
+
 What the kernels do not cover yet raises `NotImplementedError` naming it, before anything
-runs: the backward, the trace, masks other than causal, inputs other than bf16/fp16, and the
-recipe mechanisms `fp4lab.kernels.flash` lists. Nothing falls back to the reference.
+runs: the trace, masks other than causal, inputs other than bf16/fp16, dropout, the recipe
+mechanisms `fp4lab.kernels.flash` lists, and the backward's (`check_backward`: Hadamard
+transforms and 2-D blocks on its operands, fixed scales or other block formats on P and dS
+than the kernel quantizes). Nothing falls back to the reference.
 """
 
 from __future__ import annotations

@@ -32,8 +32,15 @@ rescaled. Known edge: where a block's largest z is an integer (the anchor's own 
 dim 64, whose margin is exactly 8 in log2 units), ALPHA_CEIL's e_B hangs on the last bit of
 an fp32 subtraction that the two paths order differently.
 
-What is not here yet (asking for it raises, never falls back): the backward, the trace,
-two-level P, Direct-P's affine code map, stochastic rounding of P and attn_mask.
+For the backward (`fp4lab.kernels.flash_bwd`) the forward can also return its log-sum-exp in
+log2 units (the kernel's own, so that P rebuilt from it is bit for bit exp2 of the same
+difference), fill Attn-QAT's second output O' (the unquantized P's) and save the row
+reference each key tile used (for a backward that replays the forward's own P^); none of
+these changes O or the natural-units lse.
+
+What is not here yet (asking for it raises, never falls back): the trace, two-level P,
+Direct-P's affine code map, P blocked along the queries, stochastic rounding of P and
+attn_mask.
 """
 
 from __future__ import annotations
