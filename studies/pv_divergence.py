@@ -13,8 +13,10 @@ every arm of a seed. The arms (`_pv_divergence.arms`) are the bf16 reference, th
 FP8 P/V route (``fa4fp4_causal``), the published MXFP4 P/V routes (``fa4fp4_causal_mxfp4pv``,
 and ``_d64`` as the 1.2B records ran it), and variants that change one thing each to isolate
 a cause or test a fix: MXFP4 on P only and on V only, V's scale rounded up (rceil),
-stochastic rounding of V, no row correction, NVFP4 and UE5M3-scaled P/V, MatX's leakage
-fix, E4M3 QKV projections as the published runs had them, gradient clipping.
+stochastic rounding of V, no row correction, P against the running maximum (no anchor),
+NVFP4 and UE5M3-scaled P/V, MatX's leakage fix, E4M3 QKV projections as the published runs
+had them, gradient clipping, and both routes' forwards with the exact gradient of themselves
+in place of the FP8 backward.
 
 The divergence rule, fixed before any run and computed by the code (`_pv_divergence.report`):
 a run diverges at its first non-finite training loss, or at the first step where the mean,
@@ -41,7 +43,7 @@ uninterrupted one has. Under ``torchrun`` the ranks train each cell together wit
 the CPU, NCCL on GPUs; `data_parallel`), the global batch split over them; with
 ``--set data_parallel=false`` the cells spread over the ranks instead (several small runs
 sharing one GPU). ``--preset smoke`` runs on a 2-core CPU in about 25 seconds; ``full`` is
-sized for one H200 (bf16, FP8 and MXFP4 P/V and seven variants, two seeds, each cell a
+sized for one H200 (bf16, FP8 and MXFP4 P/V and nine variants, two seeds, each cell a
 resumable piece; its times are still to be measured, studies/README.md says how); ``long``
 scales the same runs up.
 
@@ -161,11 +163,13 @@ class PVDivergenceConfig:
                                  f"{values}")
 
 
-# the variants of the full preset: the 1.2B records' route, MXFP4 on P or V alone, and the
+# the variants of the full preset: the 1.2B records' route, MXFP4 on P or V alone, the
 # mechanisms mxfp4-pv-mechanisms names for training (denominator, anchor, leakage), the
-# published runs' E4M3 projections
+# published runs' E4M3 projections, and both routes' forwards with an exact backward (at
+# small sizes the v509 backward's fixed-scale E5M2(4 dO) flushes most of dO)
 _VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_no_rowcorr",
-             "mxfp4pv_running_max", "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv")
+             "mxfp4pv_running_max", "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv", "fp8pv_exact_bwd",
+             "mxfp4pv_exact_bwd")
 PRESETS = {
     "smoke": PVDivergenceConfig(
         arms=("bf16", "fp8pv", "mxfp4pv", "mxfp4_v_only", "mxfp4pv_leakfix"), seeds=(0, 1),

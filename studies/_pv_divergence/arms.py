@@ -105,6 +105,11 @@ ARMS: dict[str, Arm] = {
     "fp8pv_e4m3qkv": Arm(FA4FP4_CAUSAL, "FP8 P/V with E4M3 QKV projections (as the published "
                          "runs)", qkv_format=FP8_E4M3_TENSOR.name),
     "mxfp4pv_clip": Arm(_MX, "MXFP4 P/V with the gradient norm clipped to 1", grad_clip=1.0),
+    "fp8pv_exact_bwd": Arm(FA4FP4_CAUSAL.with_exact_backward(),
+                           "FP8 P/V's forward with the exact gradient of it (no FP8 backward)"),
+    "mxfp4pv_exact_bwd": Arm(_MX.with_exact_backward(),
+                             "MXFP4 P/V's forward with the exact gradient of it (no FP8 "
+                             "backward)"),
 }
 REFERENCE_ARM = "bf16"
 
@@ -135,6 +140,9 @@ CAUSES = (
     Cause("future leakage through V's sequence blocks", "mxfp4pv_leakfix", "mxfp4pv", "fix"),
     Cause("E4M3 QKV projections", "mxfp4pv_e4m3qkv", "mxfp4pv", "cause"),
     Cause("unclipped gradient spikes", "mxfp4pv_clip", "mxfp4pv", "fix"),
+    Cause("the v509 FP8 backward (fixed-scale E5M2(4 dO), E4M3 P, dS) on MXFP4 P/V",
+          "mxfp4pv_exact_bwd", "mxfp4pv", "fix"),
+    Cause("the v509 FP8 backward on FP8 P/V", "fp8pv_exact_bwd", "fp8pv", "fix"),
     Cause("the D128 route's softmax (anchor) versus the D64 one (shiftless)", "mxfp4pv_d64",
           "mxfp4pv", "cause"),
 )
