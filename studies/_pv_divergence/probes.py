@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import fp4lab
+from fp4lab.recipes import RowReference
 
 from .gpt import GPT, AttentionCall, Capture
 
@@ -81,7 +82,7 @@ def traced_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int) -> 
     rows = []
     for layer in range(len(capture.q)):
         q, k, v = (t[layer].float() for t in (capture.q, capture.k, capture.v))
-        row = {"layer": layer, **_scores(q, k)}
+        row = {"layer": layer, **_scores(q, k, call.recipe)}
         row |= _trace_row(frame[frame["call"] == layer])
         if call.recipe is not None and layer in capture.do:
             row |= _gradient_error(q, k, v, capture.do[layer].float(), call, layer)
@@ -89,15 +90,31 @@ def traced_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int) -> 
     return rows
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor) -> dict:
-    """Entropy (nats, mean over rows) and the largest logit of causal softmax(q k^T / sqrt d)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, recipe) -> dict:
+    """Entropy (nats, mean over rows) and the largest logit of causal softmax(q k^T / sqrt d),
+    and the peak of log2 P = (s - m) log2 e against the recipe's row reference m where it is
+    fixed (`p_log2_peak`: the anchor or 0; 0 with a running maximum; NaN for a lazy one):
+    P, and the P V sum, overflow float32 near 128."""
     t, d = q.shape[-2], q.shape[-1]
     s = (q @ k.transpose(-1, -2)) / math.sqrt(d)  # (B, H, T, T)
     future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
     s = s.masked_fill(future, float("-inf"))
     p = s.softmax(-1)
     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
-    return {"entropy": float(entropy.mean()), "max_logit": float(s.amax())}
+    return {"entropy": float(entropy.mean()), "max_logit": float(s.amax()),
+            "p_log2_peak": _p_log2_peak(s, recipe, d)}
+
+
+def _p_log2_peak(s: torch.Tensor, recipe, head_dim: int) -> float:
+    reference = None if recipe is None else recipe.row_reference
+    if reference is RowReference.ANCHOR:  # the first keys' maximum plus the margin
+        m = s[..., : recipe.anchor_keys].amax(-1) + recipe.anchor_margin / math.sqrt(head_dim)
+        return float(((s - m.unsqueeze(-1)) * math.log2(math.e)).amax())
+    if reference is RowReference.ZERO:
+        return float(s.amax() * math.log2(math.e))
+    if reference is RowReference.RUNNING_MAX or recipe is None:
+        return 0.0
+    return float("nan")
 
 
 def _trace_row(frame) -> dict:

@@ -33,7 +33,7 @@ PROBE_COLUMNS = {  # layers-table column: heading
     "v_clipped": "V clipped", "v_scale_underflow": "V scale underflow",
     "out_err": "O rel. err", "dq_err_vs_exact": "dQ err", "dk_err_vs_exact": "dK err",
     "dv_err_vs_exact": "dV err", "do_flushed": "dO flushed", "entropy": "entropy",
-    "max_logit": "max logit",
+    "max_logit": "max logit", "p_log2_peak": "log2 P peak",
 }
 
 
@@ -94,10 +94,14 @@ def divergence_table(config, metrics: pd.DataFrame, runs: pd.DataFrame) -> pd.Da
 
 
 # -- statistics inside attention --------------------------------------------------------------
+PEAKS = ("max_logit", "p_log2_peak")  # taken as the maximum over layers, the rest the mean
+
+
 def layer_means(layers: pd.DataFrame) -> pd.DataFrame:
-    """The probe statistics averaged over layers, per (run, probe step)."""
-    columns = [c for c in PROBE_COLUMNS if c in layers]
-    return layers.groupby(RUN_KEYS + ["step", "tokens"], sort=False)[columns].mean().reset_index()
+    """The probe statistics over layers (the mean; the maximum of `PEAKS`), per (run, probe
+    step)."""
+    how = {c: "max" if c in PEAKS else "mean" for c in PROBE_COLUMNS if c in layers}
+    return layers.groupby(RUN_KEYS + ["step", "tokens"], sort=False).agg(how).reset_index()
 
 
 def around_divergence(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame,
@@ -366,7 +370,9 @@ def _inside(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame,
     last = last_probes(probes, evals)
     mean = last.groupby(["task", "arm"], sort=False)[[*columns, "leak_max_abs",
                                                       "leak_rel"]].mean().reset_index()
-    text = ("## Inside attention\n\nAt the last probe, averaged over layers and seeds: the "
+    text = ("## Inside attention\n\nAt the last probe, averaged over layers (the largest "
+            "logit and log2 P's peak against the row reference: their maximum over layers) "
+            "and seeds: the "
             "trace of P and V (fractions of nonzeros flushed or clipped, fraction of blocks "
             "whose scale underflowed, relative errors), each layer's gradient error against "
             "exact attention on the same activations, attention entropy and largest logit, "
@@ -434,12 +440,13 @@ def _curves(config, rows, colors, styles, table) -> Figure:
 
 def _probe_curves(probes, evals, colors, styles) -> Figure:
     panels = [("val_loss", "validation loss", evals), ("p_flushed", "P flushed", probes),
-              ("v_clipped", "V clipped", probes), ("dq_err_vs_exact", "dQ error vs exact",
-                                                   probes),
+              ("v_clipped", "V clipped", probes), ("do_flushed", "dO flushed (dV)", probes),
+              ("dq_err_vs_exact", "dQ error vs exact", probes),
               ("leak_max_abs", "future leakage (max |logit change|)", evals),
-              ("max_logit", "largest logit", probes)]
-    fig = Figure(figsize=(12, 6.5), layout="constrained")
-    for ax, (column, title, frame) in zip(fig.subplots(2, 3).flat, panels, strict=True):
+              ("max_logit", "largest logit", probes),
+              ("p_log2_peak", "log2 P peak (float32 overflows near 128)", probes)]
+    fig = Figure(figsize=(16, 6.5), layout="constrained")
+    for ax, (column, title, frame) in zip(fig.subplots(2, 4).flat, panels, strict=True):
         for (arm, seed), run in frame.groupby(["arm", "seed"], sort=False):
             if column in run and run[column].notna().any():
                 ax.plot(run["tokens"], run[column], color=colors[arm], linestyle=styles[seed],

@@ -86,6 +86,9 @@ def test_smoke_has_a_finite_curve_for_every_run(smoke):
     layers = found["layers"]
     assert np.isfinite(layers[["entropy", "max_logit", "dq_err_vs_exact",
                                "dv_err_vs_exact"]].to_numpy()).all()
+    peak = layers.groupby("arm")["p_log2_peak"]
+    assert (peak.max()["bf16"] == 0) and np.isfinite(peak.max()["mxfp4pv"])  # P <= 1; anchor
+    assert peak.max()["fp8pv"] != peak.max()["fp8pv"]  # a lazy maximum: not computed (NaN)
     assert len(found["divergence"]) == len(counts)
     assert runs.loc[runs["task"] == "text", "corpus_train_sha256"].nunique() == 1
 
