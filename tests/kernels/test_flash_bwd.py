@@ -194,6 +194,18 @@ def test_a_mechanism_the_kernels_ignored_would_fail_the_budget(mechanism):
     assert moved > 2 * BUDGET, f"{mechanism}: moves the gradients by only {moved:.1e}"
 
 
+def test_a_broadcast_do_and_one_input_requiring_grad():
+    # out.sum().backward() hands the backward a dO of stride 0; only q asks for a gradient
+    q, k, v, _ = inputs(1, 2, 1, 48, 48, 32, seed=16)
+    grads = []
+    for name in ("triton", "reference"):
+        leaf = q.clone().requires_grad_()
+        fp4lab.attention(leaf, k, v, "fa4fp4_causal", backend=name, block_m=16, block_n=16,
+                         causal=True).sum().backward()  # fmt: skip
+        grads.append(leaf.grad)
+    assert rel(*grads) <= BUDGET
+
+
 def test_two_runs_give_the_same_bits():
     # no atomics: dQ has its own kernel, grouped heads are summed inside a dK/dV program
     q, k, v, do = inputs(1, 4, 1, 48, 48, 32, seed=14)
