@@ -8,7 +8,8 @@ the kernel reads them; the `fp4lab.attention` row below adds their quantization)
 configurations. Forward FLOPs count 4 B H S^2 D (half of it causal).
 
 Each recipe also has a row `fp4lab.attention`: the whole call as a user makes it (Q, K, V
-quantized by the fused Triton quantizer, then the kernel at the backend's default tiles).
+quantized by the fused Triton quantizer, then the kernel at the recipe's tiles,
+`AttentionRecipe.tiles`).
 
 Also (`--reference`): the simulation path itself on CUDA, the `exact` recipe's forward at
 B1 H16 S4096 D128 bf16 beside SDPA (issue 9: within 20x).
@@ -167,7 +168,7 @@ def main() -> None:
                     }
                 )
             # the whole call as a user makes it: Q, K, V quantized by the Triton quantizer, then
-            # the kernel at the backend's default tiles
+            # the kernel at the recipe's tiles (128 x 128 where it names none)
             ms = triton.testing.do_bench(
                 lambda r=recipe, c=causal: fp4lab.attention(q, k, v, r, causal=c, backend="triton")
             )

@@ -45,7 +45,6 @@ from fp4lab.analysis.compare import (
     forward_backward,
     saturation,
 )
-from fp4lab.analysis.flash import tiles_for
 from fp4lab.analysis.inputs import AttentionInputs, SyntheticConfig, load_inputs, synthetic_inputs
 from fp4lab.analysis.quant_error import INPUT_KINDS, error_report
 from fp4lab.config import ConfigError, from_fields, suggestions, to_fields
@@ -408,7 +407,7 @@ def _check(run: AttentionRun, inputs: AttentionInputs, out: str | None) -> None:
         if run.reduce is None and index >= size:
             raise ValueError(f"--{name}: {index} is not in the input, which has {size} (from 0)")
     for recipe in run.recipes:
-        check_tiling(recipe, d, inputs.v.shape[-1], *tiles_for(recipe, run.block_m, run.block_n))
+        check_tiling(recipe, d, inputs.v.shape[-1], *recipe.tiles(run.block_m, run.block_n))
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out: {out!r} is a file, not a folder")
     try:
@@ -445,12 +444,12 @@ def _compute(run: AttentionRun, inputs: AttentionInputs, quiet: bool) -> list[Re
     """Each recipe's forward and backward, and exact float64 attention once per tiling (what
     `compare` computes, its reference shared), under a progress bar of the passes."""
     x = inputs
-    tilings = {tiles_for(r, run.block_m, run.block_n) for r in run.recipes}
+    tilings = {r.tiles(run.block_m, run.block_n) for r in run.recipes}
     refs, runs = {}, []
     total = len(run.recipes) + len(tilings)
     with tqdm(total=total, unit="pass", disable=quiet, leave=False, file=sys.stderr) as bar:
         for recipe in run.recipes:
-            tiles = tiles_for(recipe, run.block_m, run.block_n)
+            tiles = recipe.tiles(run.block_m, run.block_n)
             options = dict(causal=run.causal, block_m=tiles[0], block_n=tiles[1])
             bar.set_description(f"{recipe.name}: forward and backward")
             trace = Trace()

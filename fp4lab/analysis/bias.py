@@ -62,7 +62,6 @@ import torch
 from scipy import stats
 
 from fp4lab.analysis.compare import exact_reference, forward_backward
-from fp4lab.analysis.flash import tiles_for
 from fp4lab.recipes import AttentionRecipe, resolve_recipe
 
 __all__ = ["GradientBias", "gradient_bias", "derive_seeds"]
@@ -142,7 +141,7 @@ def gradient_bias(
         raise ValueError(
             f"reference must be one of {', '.join(map(repr, REFERENCES))}, got {reference!r}"
         )
-    block_m, block_n = tiles_for(recipe, block_m, block_n)
+    block_m, block_n = recipe.tiles(block_m, block_n)
     n = _check_samples(samples, recipe)
     seeds = derive_seeds(seed, n)
     options = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from fp4lab.analysis.flash import attention, tiles_for
+from fp4lab.analysis.flash import attention
 from fp4lab.recipes import OPERAND_COLUMNS, AttentionRecipe, Product, Trace, resolve_recipe
 
 __all__ = [
@@ -99,7 +99,7 @@ def compare(
         A `Comparison` (errors DataFrame, trace, settings).
     """
     recipe = resolve_recipe(recipe)
-    block_m, block_n = tiles_for(recipe, block_m, block_n)
+    block_m, block_n = recipe.tiles(block_m, block_n)
     if not isinstance(do, torch.Tensor) or do.shape != (*q.shape[:-1], v.shape[-1]):
         got = tuple(do.shape) if isinstance(do, torch.Tensor) else type(do).__name__
         raise ValueError(

@@ -92,7 +92,7 @@ from fp4lab.recipes import (
     resolve_recipe,
 )
 
-__all__ = ["attention", "patch_sdpa", "tiles_for"]
+__all__ = ["attention", "patch_sdpa"]
 
 
 @dataclass
@@ -628,7 +628,7 @@ def attention(
             without a generator, a bad attn_mask.
     """
     recipe = resolve_recipe(recipe)
-    block_m, block_n = tiles_for(recipe, block_m, block_n)
+    block_m, block_n = recipe.tiles(block_m, block_n)
     check_inputs(q, k, v, attn_mask)
     check_tiling(recipe, q.shape[-1], v.shape[-1], block_m, block_n)
     if scale is None:
@@ -650,16 +650,6 @@ def attention(
         dropout_p=float(dropout_p),
     )
     return _FlashAttention.apply(q, k, v, cfg)
-
-
-def tiles_for(recipe: AttentionRecipe, block_m: int | None, block_n: int | None) -> tuple[int, int]:
-    """The tiles a call runs with: those given, else the recipe's, else 128."""
-    block_m = block_m if block_m is not None else recipe.block_m or _DEFAULT_TILE
-    block_n = block_n if block_n is not None else recipe.block_n or _DEFAULT_TILE
-    return block_m, block_n
-
-
-_DEFAULT_TILE = 128
 
 
 @contextlib.contextmanager

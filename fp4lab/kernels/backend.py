@@ -47,8 +47,6 @@ from fp4lab.recipes import (
 
 __all__ = ["attention", "check_recipe"]
 
-_DEFAULT_TILE = 64
-
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -60,7 +58,7 @@ def _store_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if _interpreted() else torch.bfloat16
 
 
-def check_recipe(recipe: AttentionRecipe, gpu: bool = False) -> None:
+def check_recipe(recipe: AttentionRecipe) -> None:
     """Raise NotImplementedError for a recipe mechanism the kernels do not run yet."""
     from fp4lab.kernels.flash import check_direct_p, check_p
 
@@ -92,7 +90,7 @@ def check_recipe(recipe: AttentionRecipe, gpu: bool = False) -> None:
     if recipe.p_quant is PQuant.DIRECT:
         check_direct_p(recipe.p)
     else:
-        check_p(recipe.p, recipe.p_lift, gpu=gpu)
+        check_p(recipe.p, recipe.p_lift)
 
 
 def _check_call(q, k, v, trace, attn_mask) -> None:
@@ -260,9 +258,8 @@ _WHOLE_OPERANDS = ("dv_do", "dp_do", "dp_v", "dq_k", "dk_q")  # whole tensors, b
 
 
 def check_backward(
-    recipe: AttentionRecipe, gpu: bool = False, block_m: int | None = None,
-    block_n: int | None = None,
-) -> None:  # fmt: skip
+    recipe: AttentionRecipe, block_m: int | None = None, block_n: int | None = None
+) -> None:
     """Raise NotImplementedError for a backward mechanism the Triton backward does not run,
     naming it, before anything runs (no silent fallback); ValueError for blocks of P or dS
     that do not tile `block_m` x `block_n` (when given)."""
@@ -278,14 +275,14 @@ def check_backward(
             f"recipe {recipe.name!r}: the Triton backward does not run {', '.join(missing)} "
             "yet; use backend='reference' (no silent fallback)"
         )
-    quantizers = backward_quantizers(recipe, gpu)
+    quantizers = backward_quantizers(recipe)
     if block_m is not None and block_n is not None:
         from fp4lab.kernels.flash_bwd import check_tiles
 
         check_tiles(block_m, block_n, **dict(zip(_TILE_OPERANDS, quantizers, strict=True)))
 
 
-def backward_quantizers(recipe: AttentionRecipe, gpu: bool = False):
+def backward_quantizers(recipe: AttentionRecipe):
     """The in-register quantizers (P in dV, dS in dQ, dS in dK) as `TileQuantizer`s; with the
     straight-through backward (and forward_exact's replay), P in dV takes the forward's
     quantizer, along the keys."""
@@ -295,10 +292,10 @@ def backward_quantizers(recipe: AttentionRecipe, gpu: bool = False):
         dv_p = TileQuantizer(p_quantizer(recipe), along_keys=True)
     else:
         dv_p = TileQuantizer.of(
-            recipe.dv_p, recipe.dv_p_lift, "dv_p", recipe.block_axis("dv_p") == -1, gpu
+            recipe.dv_p, recipe.dv_p_lift, "dv_p", recipe.block_axis("dv_p") == -1
         )
     dq_ds, dk_ds = (
-        TileQuantizer.of(getattr(recipe, f), recipe.ds_lift, f, recipe.block_axis(f) == -1, gpu)
+        TileQuantizer.of(getattr(recipe, f), recipe.ds_lift, f, recipe.block_axis(f) == -1)
         for f in ("dq_ds", "dk_ds")
     )
     return dv_p, dq_ds, dk_ds
@@ -430,12 +427,10 @@ def attention(
     _check_call(q, k, v, trace, attn_mask)
     if dropout_p:
         raise NotImplementedError("dropout_p: the Triton kernels have no dropout yet")
-    gpu = q.device.type == "cuda" and not _interpreted()
-    check_recipe(recipe, gpu=gpu)
-    block_m = block_m or recipe.block_m or _DEFAULT_TILE
-    block_n = block_n or recipe.block_n or _DEFAULT_TILE
+    check_recipe(recipe)
+    block_m, block_n = recipe.tiles(block_m, block_n)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        check_backward(recipe, gpu, block_m, block_n)
+        check_backward(recipe, block_m, block_n)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     k = smooth_k(k, recipe)
     return _TritonAttention.apply(q, k, v, recipe, bool(causal), scale, block_m, block_n)

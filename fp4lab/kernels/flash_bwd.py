@@ -67,7 +67,16 @@ import triton
 import triton.language as tl
 
 from fp4lab.formats import BF16, FP32, QuantSpec, ScaleArithmetic, ScaleRule
-from fp4lab.kernels.flash import LOG2E, PQuantizer, _direct_p, _grid, _quantize_p, _round, check_p
+from fp4lab.kernels.flash import (
+    FP_FUSION,
+    LOG2E,
+    PQuantizer,
+    _direct_p,
+    _grid,
+    _quantize_p,
+    _round,
+    check_p,
+)
 from fp4lab.kernels.quantize import _bfloat16_round
 
 __all__ = ["attention_backward", "BackwardOperands", "TileQuantizer"]
@@ -88,7 +97,7 @@ class TileQuantizer:
     along_keys: bool
 
     @classmethod
-    def of(cls, spec, lift: float, field: str, along_keys: bool, gpu: bool = False):
+    def of(cls, spec, lift: float, field: str, along_keys: bool):
         """The quantizer of recipe field `field` with format `spec` and lift."""
         if spec is None:
             return cls(PQuantizer(MODE=0), along_keys)
@@ -98,7 +107,7 @@ class TileQuantizer:
             check_tile_scale(spec, field)
             return cls(PQuantizer(MODE=_MODE_TILE_SCALE, LIFT=lift, ELEM=_grid(spec.element)),
                        along_keys)  # fmt: skip
-        check_p(spec, lift, gpu=gpu, field=field)
+        check_p(spec, lift, field=field)
         return cls(PQuantizer.of(spec, lift, field), along_keys)
 
     @property
@@ -628,12 +637,14 @@ def attention_backward(
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     do_d, do_df = ops.do_delta
     _bwd_preprocess[(triton.cdiv(Sq, block_m), B * H)](
-        ops.o.contiguous(), do_d, f32(do_df), delta, Sq, V_DIM=Dv, BLOCK_M=block_m
+        ops.o.contiguous(), do_d, f32(do_df), delta, Sq, V_DIM=Dv, BLOCK_M=block_m,
+        enable_fp_fusion=FP_FUSION,
     )
     lse = ops.lse.contiguous()
     common = dict(
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         DS_FROM_DV=ds_from_dv, num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     # -- dK, dV --
     dk = torch.empty(B, Hk, Sk, D, dtype=q.dtype, device=q.device)
@@ -642,21 +653,52 @@ def attention_backward(
     dv_constants = dv_p.constants("DV", keys_last=False)
     if m_ref is not None:  # the replayed P^, normalized, is no longer bf16-exact
         dv_constants["DV_SPLIT"] = True
-    _attn_bwd_dkdv[(triton.cdiv(Sk, block_n), B * Hk)](
-        q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv, f32(qf),
-        f32(kf), f32(f_dov), f32(f_dop), f32(f_v), f32(f_qd), scale * LOG2E, scale, H, H // Hk,
-        Sq, Sk, REPLAY=m_ref is not None, LEAK=leakage_block, **common, **dv_constants,
-        **dk_ds.constants("DK", keys_last=False),
+    _launch(
+        _attn_bwd_dkdv, (triton.cdiv(Sk, block_n), B * Hk),
+        (q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv, f32(qf),
+         f32(kf), f32(f_dov), f32(f_dop), f32(f_v), f32(f_qd), scale * LOG2E, scale, H, H // Hk,
+         Sq, Sk),
+        dict(REPLAY=m_ref is not None, LEAK=leakage_block, **common, **dv_constants,
+             **dk_ds.constants("DK", keys_last=False)),
     )  # fmt: skip
     # -- dQ --
     dq = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
     kd, f_kd = ops.k_dq
-    _attn_bwd_dq[(triton.cdiv(Sq, block_m), B * H)](
-        q, k, v, kd, do_p, lse, delta, dq, f32(qf), f32(kf), f32(f_dop), f32(f_v), f32(f_kd),
-        scale * LOG2E, scale, H, H // Hk, Sq, Sk, **common,
-        **dv_p.constants("DV", keys_last=True), **dq_ds.constants("DQ", keys_last=True),
+    _launch(
+        _attn_bwd_dq, (triton.cdiv(Sq, block_m), B * H),
+        (q, k, v, kd, do_p, lse, delta, dq, f32(qf), f32(kf), f32(f_dop), f32(f_v), f32(f_kd),
+         scale * LOG2E, scale, H, H // Hk, Sq, Sk),
+        dict(**common, **dv_p.constants("DV", keys_last=True),
+             **dq_ds.constants("DQ", keys_last=True)),
     )  # fmt: skip
     return dq, dk, dv
+
+
+_STAGES: dict = {}  # (kernel, its constants) -> the pipeline depth that fits in shared memory
+
+
+def _launch(kernel, grid: tuple, args: tuple, constants: dict) -> None:
+    """Launch with `constants["num_stages"]`, or fewer where that pipeline does not fit the
+    GPU's shared memory (128 x 128 tiles at head_dim 128 need 329 KB at 2 stages on the H200,
+    which has 227 KB): the depth changes no number, only the overlap of loads and math. At
+    one stage that still does not fit, a ValueError names the tiles."""
+    key = (kernel.fn.__name__, tuple(sorted(constants.items())))
+    stages = _STAGES.get(key, constants["num_stages"])
+    while True:
+        try:
+            kernel[grid](*args, **{**constants, "num_stages": stages})
+        except triton.runtime.errors.OutOfResources as error:
+            if stages == 1:
+                raise ValueError(
+                    f"block_m={constants['BLOCK_M']}, block_n={constants['BLOCK_N']} at head_dim "
+                    f"{constants['HEAD_DIM']}: the backward's {kernel.fn.__name__} does not fit "
+                    f"this GPU's shared memory even at one pipeline stage ({error}); pass "
+                    "smaller tiles"
+                ) from error
+            stages -= 1
+            continue
+        _STAGES[key] = stages
+        return
 
 
 def check_tiles(block_m: int, block_n: int, **quantizers: TileQuantizer) -> None:

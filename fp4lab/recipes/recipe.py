@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 OperandSpec = QuantSpec | FloatFormat | None
+DEFAULT_TILE = 128  # query and key tile of a recipe that names none
 _BACKWARD_FIELDS = tuple(f for p in Product if p.backward for f in p.fields)
 
 
@@ -482,6 +483,15 @@ class AttentionRecipe:
             ds_p=DsP.UNQUANTIZED,
             delta=DeltaSource.OUTPUT,
             doc=f"The exact (straight-through) gradient of {self.name}'s forward.",
+        )
+
+    def tiles(self, block_m: int | None = None, block_n: int | None = None) -> tuple[int, int]:
+        """The (block_m, block_n) tiles a call runs with: those given, else the recipe's, else
+        `DEFAULT_TILE`. Both backends take their tiles from here: the tiling is part of the
+        numbers (where P's running maximum and per-tile scales are taken)."""
+        return (
+            block_m if block_m is not None else self.block_m or DEFAULT_TILE,
+            block_n if block_n is not None else self.block_n or DEFAULT_TILE,
         )
 
     def block_axis(self, field: str) -> int:
