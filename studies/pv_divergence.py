@@ -119,6 +119,7 @@ class PVDivergenceConfig:
     divergence_patience: int = 3  # consecutive steps above the margin (published gate)
     split_margin: float = 0.08  # nats: where the loss "splits" (the published warning)
     data_parallel: bool = True  # under torchrun: ranks train each cell together (DDP)
+    activations_rows: int = 0  # >0: each run saves its attention inputs of this many rows
 
     def __post_init__(self) -> None:
         self._check_lists()
@@ -138,6 +139,9 @@ class PVDivergenceConfig:
                                  f"the keys), got {getattr(self, name)}")
         if self.probe_rows > self.batch:
             raise ValueError(f"probe_rows ({self.probe_rows}) must be <= batch ({self.batch})")
+        if not 0 <= self.activations_rows <= self.batch:
+            raise ValueError(f"activations_rows must lie in [0, batch] (validation sequences "
+                             f"of one batch; 0: none saved), got {self.activations_rows}")
         if "recall" in self.tasks and self.seq_len + 1 < 4 * self.recall_pairs:
             raise ValueError(f"recall_pairs: {self.recall_pairs} pairs need seq_len + 1 >= "
                              f"{4 * self.recall_pairs}, got seq_len {self.seq_len}")
@@ -176,7 +180,7 @@ PRESETS = {
         tasks=("text", "recall"), n_layer=2, n_head=2, n_embd=64, seq_len=64, batch=8,
         steps=32, lr=3e-3, warmup=4, eval_every=8, val_batches=2, probe_rows=2,
         checkpoint_every=8, corpus_bytes=600_000, recall_pairs=8, tile=64,
-        divergence_window=8, divergence_patience=2,
+        divergence_window=8, divergence_patience=2, activations_rows=2,
     ),
     "full": PVDivergenceConfig(arms=("bf16", "sdpa", "fp8pv", "mxfp4pv", *_VARIANTS),
                                steps=400, warmup=40),
@@ -216,14 +220,28 @@ def run_spec(config: PVDivergenceConfig, cell: dict, run_seed: int, cell_seed: i
         recall_pairs=config.recall_pairs, block=config.tile,
         init_seed=corpora.stream_seed(run_seed, f"init-{cell['seed']}", 0),
         data_seed=corpora.stream_seed(run_seed, f"data-{shared}", 0),
-        sr_seed=cell_seed,
+        sr_seed=cell_seed, activations_rows=config.activations_rows,
     )
+
+
+ACTIVATIONS = "activations"  # <out>/activations/: the saved attention inputs
+
+
+def activations_stem(cell: dict) -> str:
+    """The saved activations' file names of a cell, less ``-layer<l>.safetensors``."""
+    return f"{cell['task']}-{cell['arm']}-seed{cell['seed']}"
 
 
 def run_cell(config: PVDivergenceConfig, cell: dict, ctx) -> dict:
     spec = run_spec(config, cell, ctx.seed, ctx.cell_seed)
+    saved = None
+    if config.activations_rows:
+        if ctx.folder is None:
+            raise ValueError("activations_rows: saving activations needs a results folder "
+                             "(run the study with fp4lab study run / run_study)")
+        saved = (ctx.folder / ACTIVATIONS, activations_stem(cell))
     tables = PARTS["training"].train(spec, ctx.device, ctx.backend, ctx.rank, ctx.world_size,
-                                  ctx.scratch)
+                                     ctx.scratch, saved)
     if cell["task"] == "text" and tables["runs"]:
         corpus = PARTS["corpora"].text_corpus(config.corpus_bytes, config.val_fraction)
         tables["runs"][0] |= {"corpus_train_sha256": corpus.train_sha256,

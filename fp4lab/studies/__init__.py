@@ -24,7 +24,7 @@ parts every study gets wrong alone; written once here they are tested once
 
 from fp4lab.studies.config import apply_overrides
 from fp4lab.studies.discovery import CellContext, Study, list_studies, load_study, studies_dir
-from fp4lab.studies.folder import Results, open_results
+from fp4lab.studies.folder import Results, atomic_write, open_results
 from fp4lab.studies.inputs import describe_inputs, resolve_inputs, study_inputs
 from fp4lab.studies.runner import cell_seed, rebuild_report, run_study
 from fp4lab.studies.text import SUMMARY_HEADING, markdown_table, number, summary
@@ -40,6 +40,7 @@ __all__ = [
     "cell_seed",
     "Results",
     "open_results",
+    "atomic_write",
     "apply_overrides",
     "markdown_table",
     "number",

@@ -75,6 +75,12 @@ class CellContext:
             deletes the folder once the cell is stored. None outside a results folder.
         rank, world_size: this process's rank and the number of ranks running the cell
             together (a data-parallel study under torchrun; otherwise 0 and 1).
+        folder: the results folder, None outside one. A cell may write files of its own
+            there, in a subfolder the framework does not use (pv-divergence's
+            ``activations/``): named by the cell's parameters, written with
+            `folder.atomic_write` by one rank, and the same bytes when the cell reruns, so a
+            cell killed after writing them and rerun on ``--resume`` overwrites them whole,
+            neither losing nor duplicating one. The framework never deletes them.
     """
 
     device: str
@@ -85,6 +91,7 @@ class CellContext:
     scratch: Path | None = None
     rank: int = 0
     world_size: int = 1
+    folder: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@
                         <name>.csv
       figures/<name>.png
       report.md
+      <folder>/...      files a study's cells write themselves (`CellContext.folder`), e.g.
+                        pv-divergence's activations/
 
 Every file is written to a hidden temporary file in its own folder and moved into place
 with `os.replace`, so a run killed at any moment leaves each file absent or complete, never
@@ -56,11 +58,13 @@ CELLS = "cells"
 FIGURES = "figures"
 
 
-def atomic_write(path: Path, write) -> None:
-    """Call ``write(temporary_path)`` and move the finished file onto `path`."""
+def atomic_write(path: Path, write, suffix: str = ".tmp") -> None:
+    """Call ``write(temporary_path)`` and move the finished file onto `path`. The temporary
+    file is hidden (``.<name>.<random><suffix>``); a writer that goes by the extension takes
+    a `suffix` ending in it (``.tmp.safetensors`` for `fp4lab.analysis.save_inputs`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     os.close(fd)
     try:
         write(Path(tmp))

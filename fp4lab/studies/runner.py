@@ -169,8 +169,9 @@ def _check_backend(study: Study, backend: str) -> None:
 
 def _prepare(out, record: dict, cells: list[dict], resume: bool) -> tuple[str, list[int]]:
     """(rank 0) The folder, checked, and the indices of the cells still to run; nothing is
-    written until a cell has finished (`_Opener`), except a running cell's scratch folder (a
-    run killed in its first cell leaves only that, which --resume continues)."""
+    written until a cell has finished (`_Opener`), except a running cell's scratch folder and
+    the files it writes itself (a run killed in its first cell leaves only those, which
+    --resume continues)."""
     path = _default_out(record) if out is None else Path(out)
     config_path = path / "config.json"
     if config_path.exists():
@@ -178,7 +179,8 @@ def _prepare(out, record: dict, cells: list[dict], resume: bool) -> tuple[str, l
             raise ValueError(f"out: {path} holds a run already; pass --resume to finish it, or "
                              "choose another --out")
         _check_same_run(read_json(config_path), record, path)
-    elif path.exists() and any(p.name != SCRATCH for p in path.iterdir()):
+    elif (path.exists() and not (path / SCRATCH).exists()
+          and any(True for _ in path.iterdir())):
         raise ValueError(f"out: {path} exists and is not a study's results folder")
     elif (path / SCRATCH).exists() and not resume:
         raise ValueError(f"out: {path} holds the scratch files of a run killed in its first "
@@ -256,7 +258,8 @@ def _sweep(study, config, cells, pending, opener: _Opener, ranks, run, quiet) ->
                 ctx = CellContext(device, backend, seed, cell_seed(seed, cells[mine]), mine,
                                   scratch=opener.path / SCRATCH / f"{mine:05d}",
                                   rank=ranks.rank if shared else 0,
-                                  world_size=ranks.world if shared else 1)
+                                  world_size=ranks.world if shared else 1,
+                                  folder=opener.path)
                 result = _run_cell(study, config, cells[mine], ctx, ranks.world > 1)
             results = ranks.gather(result)
             stored = [r for r in results if r is not None and "tables" in r]

@@ -8,6 +8,9 @@
   entropy and largest logit from its q and k; and each layer's gradient error against exact
   attention on the same activations (`fp4lab.compare` on the layer's q, k, v and the dO that
   reached it);
+- (at a run's end, when asked) one forward and backward with the training recipe whose
+  per-layer q, k, v and dO the run saves as inputs of the analytic studies
+  (`captured_step`);
 - future leakage: the probe sequences with the token at position j replaced, for a few j
   inside blocks of 16 and 32 (a block scale moves only where the changed token holds a
   block's maximum, so one j can miss it): the largest change of the logits at positions
@@ -29,7 +32,7 @@ from fp4lab.recipes import RowReference
 
 from .gpt import GPT, AttentionCall, Capture
 
-__all__ = ["validation_loss", "traced_step", "leakage", "TRACE_COLUMNS"]
+__all__ = ["validation_loss", "captured_step", "traced_step", "leakage", "TRACE_COLUMNS"]
 
 # (product, trace column) -> the probe's name for it
 TRACE_COLUMNS = {
@@ -64,20 +67,28 @@ def validation_loss(model: GPT, batches, call: AttentionCall, autocast) -> float
     return sum(losses) / len(losses)
 
 
-def traced_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int) -> list[dict]:
-    """One traced forward and backward of (x, y): a row per layer (see the module). The loss
-    is normalized as a training step's over `batch` such sequences, so that the gradients
-    reaching attention have the training step's size (fixed-scale formats such as E5M2(4 dO)
-    flush by size)."""
-    model.capture, trace = Capture(), fp4lab.Trace()
-    # the trace is the reference path's (the instrumented simulation; Triton has none)
-    traced = AttentionCall(call.recipe, "reference", call.block, call.seed,
-                           trace if call.recipe is not None else None)
+def captured_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int) -> Capture:
+    """One forward and backward of (x, y) with `call`, recording each layer's q, k, v and
+    the gradient at its attention output (dO). The loss is normalized as a training step's
+    over `batch` such sequences, so that the gradients reaching attention have the training
+    step's size (fixed-scale formats such as E5M2(4 dO) flush by size)."""
+    model.capture = Capture()
     with autocast():
-        loss = loss_of(model, x, y, traced) * (x.shape[0] / batch)
+        loss = loss_of(model, x, y, call) * (x.shape[0] / batch)
     loss.backward()
     capture, model.capture = model.capture, None
     model.zero_grad(set_to_none=True)
+    return capture
+
+
+def traced_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int) -> list[dict]:
+    """One traced forward and backward of (x, y) (`captured_step`): a row per layer (see the
+    module)."""
+    trace = fp4lab.Trace()
+    # the trace is the reference path's (the instrumented simulation; Triton has none)
+    traced = AttentionCall(call.recipe, "reference", call.block, call.seed,
+                           trace if call.recipe is not None else None)
+    capture = captured_step(model, x, y, traced, autocast, batch)
     frame = trace.to_frame()
     rows = []
     for layer in range(len(capture.q)):

@@ -333,6 +333,28 @@ def _speed(table: pd.DataFrame) -> str:
             "otherwise).\n\n" + markdown_table(speed.reset_index()) + "\n")
 
 
+def _activations(saved: pd.DataFrame | None) -> str:
+    """The saved attention inputs, and the command that feeds one to an analytic study."""
+    if saved is None or not len(saved):
+        return ""
+    mx = saved[saved["arm"] == "mxfp4pv"]
+    example = (mx if len(mx) else saved).iloc[-1]["file"]  # the last layer's
+    return (
+        "## Saved activations\n\nAt each run's end, one forward and backward with the run's "
+        f"own recipe (column recipe, on backend {', '.join(sorted(set(saved['backend'])))}) "
+        f"of the first {int(saved['rows'].max())} sequences of its first validation batch, "
+        "the loss scaled as a training step's; each layer's q, k (after the rotary map), v and "
+        "dO, in the layout (rows, heads, sequence, head_dim), written with "
+        "fp4lab.analysis.save_inputs to the file named, relative to this folder. Any analytic "
+        "study reads one as its input, e.g.\n\n```\nfp4lab study run mxfp4-pv-mechanisms "
+        f"--set inputs=<this folder>/{example}\n```\n\n(also attention-gradients, "
+        "scale-range, causal-leakage, p-operand; their config records the file's sha256).\n\n"
+        + markdown_table(saved.assign(sha256=saved["sha256"].str[:12]), {
+            "task": "task", "seed": "seed", "arm": "arm", "layer": "layer", "file": "file",
+            "recipe": "recipe", "after_step": "after step", "finite": "finite",
+            "sha256": "sha256 (first 12)"}) + "\n")
+
+
 def report(config, metrics: pd.DataFrame, tables: dict):
     runs, evals, layers = tables["runs"], tables["evals"], tables["layers"]
     table = divergence_table(config, metrics, runs)
@@ -359,7 +381,7 @@ def report(config, metrics: pd.DataFrame, tables: dict):
                                       "arm": "arm",
                                        "baseline": "baseline", "evidence_for": "evidence for",
                                        "evidence_against": "evidence against"}) + "\n")
-    text += published + _speed(table)
+    text += published + _speed(table) + _activations(tables.get("activations"))
     figures = _figures(config, metrics, table, probes, evals, records)
     return text, figures, {"divergence": table, "causes": causes}
 

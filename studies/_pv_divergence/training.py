@@ -18,12 +18,23 @@ scale over a whole tensor (``nvfp4pv``'s V, the E4M3 QKV projections) couples th
 of a batch, so its numbers depend on how the batch is split.
 
 The run stops early, marked diverged, at the first non-finite training loss (an optimizer
-step on NaN gradients would only carry NaN on).
+step on NaN gradients would only carry NaN on). Its last step always checkpoints.
+
+Saved activations. With `activations_rows` > 0, rank 0 ends the run with one forward and
+backward of the first `activations_rows` sequences of the first validation batch with the
+run's own recipe and backend (`probes.captured_step`, the loss scaled as a training step's)
+and writes each layer's q, k, v (after the rotary map) and dO with
+`fp4lab.analysis.save_inputs` to ``<folder>/<stem>-layer<l>.safetensors``, each file
+atomically (`fp4lab.studies.atomic_write`). They are functions of the weights, which a resumed
+run repeats bit for bit, so a run killed after writing them and rerun from its last
+checkpoint writes the same bytes over them; the temporary files a kill leaves are removed
+first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import time
@@ -34,6 +45,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
+
+from fp4lab.analysis import save_inputs
+from fp4lab.studies import atomic_write
 
 from . import probes
 from .arms import ARMS
@@ -70,6 +84,7 @@ class RunSpec:
     init_seed: int
     data_seed: int
     sr_seed: int
+    activations_rows: int = 0  # validation sequences whose attention inputs are saved; 0: none
 
 
 def after_step(step: int) -> None:
@@ -303,6 +318,32 @@ class Run:
         for row in probes.traced_step(model, x, y, call, self.autocast, spec.batch):
             self.rows["layers"].append({**head, **row})
 
+    def save_activations(self, folder: Path, stem: str) -> list[dict]:
+        """(rank 0) Each layer's q, k, v, dO from one forward and backward with the training
+        recipe (module docstring), written to <folder>/<stem>-layer<l>.safetensors; a row per
+        file."""
+        spec, model = self.spec, self.probe_model
+        model.load_state_dict(self.model.state_dict())
+        x, y = (t[: spec.activations_rows] for t in self.val[0])
+        capture = probes.captured_step(model, x, y, self.call(-1), self.autocast, spec.batch)
+        recipe = self.arm.recipe.name if self.arm.recipe is not None else "torch SDPA"
+        rows = []
+        for layer, tensors in enumerate(zip(capture.q, capture.k, capture.v, strict=True)):
+            tensors = (*tensors, capture.do[layer])
+            path = Path(folder) / f"{stem}-layer{layer}.safetensors"
+            for stale in path.parent.glob(f".{path.name}.*.tmp.safetensors"):
+                stale.unlink()  # a killed write's
+            atomic_write(path, lambda tmp, t=tensors: save_inputs(tmp, *t),
+                         suffix=".tmp.safetensors")
+            rows.append({
+                "layer": layer, "file": f"{path.parent.name}/{path.name}", "recipe": recipe,
+                "backend": self.backend if self.arm.recipe is not None else "sdpa",
+                "rows": x.shape[0], "after_step": self.step,
+                "finite": all(bool(t.isfinite().all()) for t in tensors),
+                "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            })
+        return rows
+
     def finish(self) -> dict:
         """(rank 0) The final validation loss with the training recipe and with exact
         attention on the same weights, and the run's totals."""
@@ -322,10 +363,15 @@ class Run:
 
 
 def train(spec: RunSpec, device: str, backend: str, rank: int = 0, world: int = 1,
-          scratch: Path | None = None) -> dict[str, list[dict]]:
+          scratch: Path | None = None,
+          activations: tuple[Path, str] | None = None) -> dict[str, list[dict]]:
     """Run (or resume from `scratch`) the training `spec` describes; its tables of rows:
     ``metrics`` per step, ``evals`` per probe, ``layers`` per probe and layer, ``runs`` one
-    row of totals (the other ranks return empty tables)."""
+    row of totals, and with `spec.activations_rows` > 0 ``activations``, one row per file
+    written to `activations` (folder, file stem) (the other ranks return empty tables)."""
+    if spec.activations_rows and activations is None:
+        raise ValueError("activations: a run with activations_rows > 0 needs the (folder, "
+                         "stem) its files go to")
     if spec.batch % world:
         raise ValueError(f"batch ({spec.batch}) must be a multiple of the ranks ({world})")
     run = Run(spec, device, backend, ranks_for(rank, world, device), scratch)
@@ -339,9 +385,13 @@ def train(spec: RunSpec, device: str, backend: str, rank: int = 0, world: int = 
             run.nonfinite_step = row["step"]
         elif run.step % spec.eval_every == 0 or run.step == spec.steps:
             run.probe()
-        if run.step % spec.checkpoint_every == 0 or run.nonfinite_step is not None:
+        if (run.step % spec.checkpoint_every == 0 or run.nonfinite_step is not None
+                or run.step == spec.steps):
             run.save()
         after_step(run.step)
+    saved = {"activations": []} if spec.activations_rows else {}
     if rank != 0:
-        return {"metrics": [], "evals": [], "layers": [], "runs": []}
-    return {**run.rows, "runs": [run.finish()]}
+        return {"metrics": [], "evals": [], "layers": [], "runs": [], **saved}
+    if spec.activations_rows:
+        saved["activations"] = run.save_activations(*activations)
+    return {**run.rows, "runs": [run.finish()], **saved}
