@@ -120,6 +120,8 @@ class PVDivergenceConfig:
     split_margin: float = 0.08  # nats: where the loss "splits" (the published warning)
     data_parallel: bool = True  # under torchrun: ranks train each cell together (DDP)
     activations_rows: int = 0  # >0: each run saves its attention inputs of this many rows
+    reference_arms: tuple[str, ...] = ()  # arms on --backend reference whatever --backend is
+    speed_skip: int = 5  # first steps out of the steady tokens/s (compiling; all if fewer)
 
     def __post_init__(self) -> None:
         self._check_lists()
@@ -139,6 +141,9 @@ class PVDivergenceConfig:
                                  f"the keys), got {getattr(self, name)}")
         if self.probe_rows > self.batch:
             raise ValueError(f"probe_rows ({self.probe_rows}) must be <= batch ({self.batch})")
+        if self.speed_skip < 0:
+            raise ValueError(f"speed_skip must be >= 0 (steps left out of the steady tokens/s), "
+                             f"got {self.speed_skip}")
         if not 0 <= self.activations_rows <= self.batch:
             raise ValueError(f"activations_rows must lie in [0, batch] (validation sequences "
                              f"of one batch; 0: none saved), got {self.activations_rows}")
@@ -157,6 +162,10 @@ class PVDivergenceConfig:
         if REFERENCE_ARM not in self.arms:
             raise ValueError(f"arms must include {REFERENCE_ARM!r}: the divergence rule "
                              "compares every run with it")
+        for arm in self.reference_arms:
+            if arm not in self.arms:
+                raise ValueError(f"reference_arms: {arm!r} is not one of this run's arms "
+                                 f"({', '.join(self.arms)})")
         for task in self.tasks:
             if task not in TASKS:
                 raise ValueError(f"tasks: {task!r} is not one of {', '.join(TASKS)}")
@@ -221,6 +230,7 @@ def run_spec(config: PVDivergenceConfig, cell: dict, run_seed: int, cell_seed: i
         init_seed=corpora.stream_seed(run_seed, f"init-{cell['seed']}", 0),
         data_seed=corpora.stream_seed(run_seed, f"data-{shared}", 0),
         sr_seed=cell_seed, activations_rows=config.activations_rows,
+        speed_skip=config.speed_skip,
     )
 
 
@@ -240,7 +250,8 @@ def run_cell(config: PVDivergenceConfig, cell: dict, ctx) -> dict:
             raise ValueError("activations_rows: saving activations needs a results folder "
                              "(run the study with fp4lab study run / run_study)")
         saved = (ctx.folder / ACTIVATIONS, activations_stem(cell))
-    tables = PARTS["training"].train(spec, ctx.device, ctx.backend, ctx.rank, ctx.world_size,
+    backend = "reference" if cell["arm"] in config.reference_arms else ctx.backend
+    tables = PARTS["training"].train(spec, ctx.device, backend, ctx.rank, ctx.world_size,
                                      ctx.scratch, saved)
     if cell["task"] == "text" and tables["runs"]:
         corpus = PARTS["corpora"].text_corpus(config.corpus_bytes, config.val_fraction)

@@ -583,3 +583,28 @@ def test_study_commands_are_fp4labs_own(capsys, tmp_path):
     assert main(["study", "run", "no-such-study", "--out", str(tmp_path / "x")]) == 2
     assert "unknown study 'no-such-study'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_study_run_nproc_is_checked_and_rebuilt_for_torchrun(capsys, monkeypatch):
+    """--nproc 0 is refused by name; under torchrun a --nproc other than its ranks is too;
+    --nproc 2 relaunches the same command under torch.distributed.run without --nproc (its
+    2-rank run is tests/studies/test_pv_divergence.py's gloo test)."""
+    from fp4lab.studies import cli as study_cli
+
+    assert main(["study", "run", "pv-divergence", "--nproc", "0"]) == 2
+    assert "--nproc must be >= 1, got 0" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["study", "run", "pv-divergence", "--nproc", "2"]) == 2
+    assert "already runs under torchrun with 4 ranks" in capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
+    launched = []
+    monkeypatch.setattr(study_cli.subprocess, "run",
+                        lambda command, check: launched.append(command) or
+                        subprocess.CompletedProcess(command, 3))
+    assert main(["study", "run", "pv-divergence", "--nproc", "2", "--set", "steps=4",
+                 "--resume", "--out", "o"]) == 3
+    assert launched[0][1:6] == ["-m", "torch.distributed.run", "--standalone",
+                                "--nproc_per_node", "2"]
+    assert launched[0][6:] == ["-m", "fp4lab", "study", "run", "pv-divergence", "--preset",
+                               "smoke", "--set", "steps=4", "--out", "o", "--device", "cpu",
+                               "--backend", "reference", "--seed", "0", "--resume"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 
 from fp4lab.backends import BACKENDS
 from fp4lab.studies.config import config_types, describe_type
@@ -78,6 +80,13 @@ def add_study_commands(subparsers) -> argparse.ArgumentParser:
         help="finish the run stored in --out, skipping the cells it finished",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--nproc", type=int, default=1,
+        help="start N processes with torchrun (torch.distributed.run --standalone "
+        "--nproc_per_node N) running this command: the cells spread over them, or a "
+        "data-parallel study's ranks train each cell together (gloo on the CPU, NCCL on "
+        "GPUs; default 1, this process alone)",
+    )
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser(
@@ -103,6 +112,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    world = int(os.environ.get("WORLD_SIZE", "0"))  # set by torchrun
+    if args.nproc > 1 and not world:
+        return _torchrun(args)
+    if world and args.nproc not in (1, world):
+        raise ValueError(f"--nproc {args.nproc}: this command already runs under torchrun with "
+                         f"{world} ranks; drop --nproc or make it {world}")
     out = run_study(
         args.name, args.preset, args.overrides, out=args.out, device=args.device,
         backend=args.backend, seed=args.seed, resume=args.resume, quiet=args.quiet,
@@ -113,6 +130,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"{SUMMARY_HEADING.lstrip('# ')}:\n\n{found}\n")
     print(f"Wrote {out} (report: {out / 'report.md'})")
     return 0
+
+
+def _run_words(args: argparse.Namespace) -> list[str]:
+    """The ``study run`` arguments of `args`, --nproc left out."""
+    words = [args.name, "--preset", args.preset]
+    for override in args.overrides:
+        words += ["--set", override]
+    if args.out is not None:
+        words += ["--out", args.out]
+    words += ["--device", args.device, "--backend", args.backend, "--seed", str(args.seed)]
+    return words + ["--resume"] * args.resume + ["--quiet"] * args.quiet
+
+
+def _torchrun(args: argparse.Namespace) -> int:
+    """Run this ``study run`` command on `args.nproc` ranks under torchrun; its exit status."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", str(args.nproc), "-m", "fp4lab", "study", "run",
+               *_run_words(args)]
+    return subprocess.run(command, check=False).returncode
 
 
 def cmd_report(args: argparse.Namespace) -> int:

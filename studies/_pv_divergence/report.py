@@ -318,19 +318,44 @@ def _summary(config, table: pd.DataFrame, causes: pd.DataFrame) -> list[str]:
     return lines
 
 
-def _speed(table: pd.DataFrame) -> str:
-    if "sdpa" not in set(table["arm"]):
-        return ""
-    base = table[table["arm"] == "sdpa"].set_index(["task", "seed"])["tokens_per_second"]
-    rows = table.assign(vs_sdpa=[r["tokens_per_second"] / base.get((r["task"], r["seed"]),
-                                                                   float("nan"))
-                                 for _, r in table.iterrows()])
-    speed = rows.groupby("arm", sort=False)[["tokens_per_second", "vs_sdpa"]].mean()
-    return ("## Speed\n\nTraining tokens per second (probes excluded), and as a fraction of "
-            "the sdpa arm's in the same run. The issue's goal, fa4fp4_causal_mxfp4pv at 0.4x "
-            "SDPA or better, is for the Triton backend, whose backward does not exist yet: "
-            "these are the backend the run used (the reference simulation unless it says "
-            "otherwise).\n\n" + markdown_table(speed.reset_index()) + "\n")
+SPEED_GOAL = 0.4  # the issue's: fa4fp4_causal_mxfp4pv on Triton at >= 0.4x SDPA's tokens/s
+
+
+def _speed(config, runs: pd.DataFrame) -> str:
+    """Each run's training time and tokens/s, and (with the sdpa arm) each arm's steady
+    tokens/s as a fraction of sdpa's on the same task and seed, in the same run."""
+    steady = "tokens_per_second_steady"
+    if steady not in runs:  # a folder written before the steady rate was recorded
+        runs = runs.assign(**{steady: runs["tokens_per_second"]})
+    if "backend" not in runs:
+        runs = runs.assign(backend="not recorded")
+    columns = {"task": "task", "seed": "seed", "arm": "arm", "backend": "backend",
+               "steps_done": "steps", "train_seconds": "training s",
+               "tokens_per_second": "tokens/s", steady: "steady tokens/s"}
+    text = ("## Time and speed\n\nEach run's training time (the optimizer steps, probes and "
+            "checkpoints excluded; on a GPU each step synchronized), its tokens/s over all "
+            "steps, and its steady tokens/s (the median step, after the first "
+            f"{config.speed_skip} steps).\n\n" + markdown_table(runs, columns) + "\n")
+    if "sdpa" not in set(runs["arm"]):
+        return text
+    base = runs[runs["arm"] == "sdpa"].set_index(["task", "seed"])[steady]
+    ratio = runs.assign(vs_sdpa=[r[steady] / base.get((r["task"], r["seed"]), float("nan"))
+                                 for _, r in runs.iterrows()])
+    mean = ratio.groupby(["arm", "backend"], sort=False)[[steady, "vs_sdpa"]].mean()
+    mx = ratio[(ratio["arm"] == "mxfp4pv") & (ratio["backend"] == "triton")]
+    if len(mx):
+        found = mx["vs_sdpa"].mean()
+        verdict = (f"fa4fp4_causal_mxfp4pv on the Triton backend runs at {number(found, 3)}x "
+                   f"the sdpa arm's steady tokens/s: the goal ({SPEED_GOAL:g}x) is "
+                   + ("met." if found >= SPEED_GOAL else "not met."))
+    else:
+        verdict = ("The goal, fa4fp4_causal_mxfp4pv on the Triton backend at "
+                   f"{SPEED_GOAL:g}x the sdpa arm or better, is not measured here: mxfp4pv "
+                   "ran on the reference simulation.")
+    return (text + "As a fraction of the sdpa arm's steady tokens/s (same task, seed and "
+            f"run; mean over seeds). {verdict}\n\n" + markdown_table(
+                mean.reset_index(), {"arm": "arm", "backend": "backend", steady: "steady "
+                                     "tokens/s", "vs_sdpa": "vs sdpa"}) + "\n")
 
 
 def _activations(saved: pd.DataFrame | None) -> str:
@@ -381,7 +406,7 @@ def report(config, metrics: pd.DataFrame, tables: dict):
                                       "arm": "arm",
                                        "baseline": "baseline", "evidence_for": "evidence for",
                                        "evidence_against": "evidence against"}) + "\n")
-    text += published + _speed(table) + _activations(tables.get("activations"))
+    text += published + _speed(config, runs) + _activations(tables.get("activations"))
     figures = _figures(config, metrics, table, probes, evals, records)
     return text, figures, {"divergence": table, "causes": causes}
 

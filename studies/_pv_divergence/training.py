@@ -37,6 +37,7 @@ import contextlib
 import hashlib
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,6 +86,7 @@ class RunSpec:
     data_seed: int
     sr_seed: int
     activations_rows: int = 0  # validation sequences whose attention inputs are saved; 0: none
+    speed_skip: int = 5  # first steps left out of the steady tokens/s
 
 
 def after_step(step: int) -> None:
@@ -285,6 +287,8 @@ class Run:
         if math.isfinite(value):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)  # the step's kernels, not their launch
         seconds = time.perf_counter() - start
         self.train_seconds += seconds
         tokens = (step + 1) * spec.batch * spec.model.seq_len
@@ -352,12 +356,17 @@ class Run:
         exact = AttentionCall(ARMS["exact"].recipe, "reference", spec.block)
         trained = probes.validation_loss(model, self.val, self.call(-1), self.autocast)
         tokens = self.step * spec.batch * spec.model.seq_len
+        steps = self.rows["metrics"]
+        steady = [r["step_seconds"] for r in (steps[spec.speed_skip:] or steps)]
         return {
+            "backend": self.backend if self.arm.recipe is not None else "sdpa",
             "steps_done": self.step, "tokens": tokens, "val_loss": trained,
             "val_loss_exact_attention": probes.validation_loss(model, self.val, exact,
                                                                self.autocast),
             "nonfinite_step": self.nonfinite_step, "train_seconds": self.train_seconds,
             "tokens_per_second": tokens / self.train_seconds if self.train_seconds else None,
+            "tokens_per_second_steady": (spec.batch * spec.model.seq_len / statistics.median(
+                steady) if steady else None),
             "init_seed": spec.init_seed, "data_seed": spec.data_seed, "sr_seed": spec.sr_seed,
         }
 

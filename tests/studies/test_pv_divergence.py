@@ -1,6 +1,7 @@
-"""The pv-divergence study (studies/pv_divergence.py): its smoke preset's outputs, the
-divergence rule on made-up curves, the data, resumption from a checkpoint mid-run, reruns,
-and two gloo ranks against one process."""
+"""The pv-divergence study (studies/pv_divergence.py): its smoke preset's outputs, the saved
+activations an analytic study reads, the divergence rule on made-up curves, the data,
+resumption from a checkpoint mid-run and mid-write, reruns, and two gloo ranks against one
+process."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ import pandas as pd
 import pytest
 import torch
 
+from fp4lab.analysis import load_inputs
 from fp4lab.studies import load_study, run_study
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = load_study("pv-divergence").module
 PARTS = STUDY.PARTS
-TABLES = ("metrics", "evals", "layers", "runs", "divergence", "causes")
+TABLES = ("metrics", "evals", "layers", "runs", "divergence", "causes", "activations")
 # a short run of a deterministic and a stochastic arm, for the rerun and resume checks
 SHORT = ["arms=bf16,mxfp4pv_sr_v", "tasks=text", "seeds=0", "steps=20"]
-TIMING = ["step_seconds", "train_seconds", "tokens_per_second"]
+TIMING = ["step_seconds", "train_seconds", "tokens_per_second", "tokens_per_second_steady"]
 
 
 def tables(out: Path) -> dict[str, pd.DataFrame]:
@@ -102,6 +104,61 @@ def test_smoke_leakage_is_zero_without_sequence_blocks_and_gone_with_the_fix(smo
     assert leak["mxfp4pv"] > 0
 
 
+# -- the saved activations ------------------------------------------------------------------
+def _saved_names(config) -> list[str]:
+    return sorted(f"{task}-{arm}-seed{seed}-layer{layer}.safetensors" for task in config.tasks
+                  for arm in config.arms for seed in config.seeds
+                  for layer in range(config.n_layer))
+
+
+def test_smoke_saves_every_runs_attention_inputs(smoke):
+    """One file per (task, arm, seed, layer), none missing, no temporary left; each the q, k,
+    v, dO of activations_rows validation rows, finite, its hash the one the table records."""
+    config = STUDY.PRESETS["smoke"]
+    assert config.activations_rows > 0
+    assert sorted(p.name for p in (smoke / "activations").iterdir()) == _saved_names(config)
+    saved = pd.read_parquet(smoke / "activations.parquet")
+    assert sorted(saved["file"].str.removeprefix("activations/")) == _saved_names(config)
+    assert saved["finite"].all() and (saved["after_step"] == config.steps).all()
+    assert set(saved["rows"]) == {config.activations_rows}
+    shape = (config.activations_rows, config.n_head, config.seq_len,
+             config.n_embd // config.n_head)
+    found = {}
+    for _, row in saved[(saved["task"] == "text") & (saved["seed"] == 0)].iterrows():
+        x = load_inputs(smoke / row["file"])
+        assert x.record["sha256"] == row["sha256"], row["file"]
+        assert x.q.shape == x.k.shape == x.v.shape == x.do.shape == shape
+        assert float(x.do.abs().max()) > 0  # the backward reached every layer
+        found[(row["arm"], row["layer"])] = x
+    recipes = saved.drop_duplicates("arm").set_index("arm")["recipe"]
+    assert recipes["bf16"] == "flash_bf16" and recipes["mxfp4pv"] == "fa4fp4_causal_mxfp4pv"
+    # each arm trained its own weights, so its layer-1 inputs differ from bf16's
+    assert not torch.equal(found[("mxfp4pv", 1)].v, found[("bf16", 1)].v)
+    assert "## Saved activations" in (smoke / "report.md").read_text()
+
+
+def test_an_analytic_study_runs_on_a_saved_file(smoke, tmp_path):
+    """mxfp4-pv-mechanisms' smoke on an MXFP4 P/V run's last layer: its config records the
+    file's hash, its report names the file, its errors are finite numbers."""
+    saved = pd.read_parquet(smoke / "activations.parquet")
+    row = saved[saved["arm"] == "mxfp4pv"].iloc[-1]
+    path = smoke / row["file"]
+    out = run_study("mxfp4-pv-mechanisms", "smoke", [f"inputs={path}"], out=tmp_path / "mech",
+                    quiet=True)
+    config = json.loads((out / "config.json").read_text())["config"]
+    assert config["inputs"] == str(path.resolve()) and config["inputs_sha256"] == row["sha256"]
+    assert str(path.resolve()) in (out / "report.md").read_text()
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert len(metrics) and set(metrics["tensor"]) == {"o", "dq", "dk", "dv"}
+    assert np.isfinite(metrics[["variant_error", "control_error"]].to_numpy()).all()
+    assert np.isfinite(metrics.loc[metrics["tensor"].isin(["o", "dv"]), "effect"]).all()
+
+
+def test_activations_rows_beyond_a_batch_is_refused():
+    with pytest.raises(ValueError, match=r"activations_rows must lie in \[0, batch\]"):
+        STUDY.PVDivergenceConfig(batch=4, activations_rows=5)
+
+
 # -- the divergence rule ----------------------------------------------------------------------
 def _curves(**arms) -> pd.DataFrame:
     rows = [{"task": "text", "seed": 0, "arm": arm, "step": s, "loss": float(loss[s]),
@@ -176,10 +233,29 @@ def test_published_records_cite_their_files():
     ({"n_embd": 72, "n_head": 3}, "a whole multiple of 16"),
     ({"tasks": ("speech",)}, "tasks: 'speech'"),
     ({"probe_rows": 99}, "probe_rows"),
-], ids=["no-reference", "unknown-arm", "seq-len", "head-dim", "task", "probe-rows"])
+    ({"reference_arms": ("sdpa",)}, "reference_arms: 'sdpa' is not one of this run's arms"),
+    ({"speed_skip": -1}, "speed_skip must be >= 0"),
+], ids=["no-reference", "unknown-arm", "seq-len", "head-dim", "task", "probe-rows",
+        "reference-arms", "speed-skip"])
 def test_config_refuses_what_cannot_run(change, words):
     with pytest.raises(ValueError, match=words):
         STUDY.PVDivergenceConfig(**change)
+
+
+def test_reference_arms_run_on_the_reference_backend_and_the_others_on_the_one_asked(
+        tmp_path):
+    """--backend triton with reference_arms=bf16: bf16 trains on the simulation (its row says
+    so) and the next arm gets the Triton backend as asked, whose kernels refuse float32 CPU
+    tensors by name; nothing falls back."""
+    out = tmp_path / "run"
+    with pytest.raises((ValueError, NotImplementedError), match="[Tt]riton"):
+        run_study("pv-divergence", "smoke", ["arms=bf16,mxfp4pv", "tasks=text", "seeds=0",
+                                             "steps=2", "reference_arms=bf16"],
+                  out=out, backend="triton", quiet=True)
+    stored = json.loads((out / "cells" / "00000.json").read_text())
+    assert stored["cell"]["arm"] == "bf16"
+    assert stored["tables"]["runs"][0]["backend"] == "reference"
+    assert not (out / "cells" / "00001.json").exists()
 
 
 # -- reruns, resumption, ranks ----------------------------------------------------------------
@@ -214,23 +290,55 @@ def test_a_run_interrupted_mid_cell_resumes_from_its_checkpoint_to_the_same_curv
     assert_same_numbers(tables(short), tables(out))
 
 
+def test_a_run_killed_while_saving_activations_resumes_to_the_same_files(
+        short, tmp_path, monkeypatch):
+    """A kill in the first cell's second file (before config.json exists): the folder holds
+    scratch/, one finished file and (as a kill -9 leaves it) a torn temporary. --resume
+    accepts it, reruns the cell from its last-step checkpoint (no step repeated), writes the
+    same bytes and removes the temporary."""
+    training, calls = PARTS["training"], []
+    real = training.save_inputs
+
+    def killed(path, *tensors):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(path, *tensors)
+
+    monkeypatch.setattr(training, "save_inputs", killed)
+    out = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        run_study("pv-divergence", "smoke", SHORT, out=out, quiet=True)
+    assert not (out / "config.json").exists()
+    assert [p.name for p in (out / "activations").iterdir()] == [
+        "text-bf16-seed0-layer0.safetensors"]
+    (out / "activations" / ".text-bf16-seed0-layer1.safetensors.x.tmp.safetensors").write_bytes(
+        b"torn")
+    monkeypatch.setattr(training, "save_inputs", real)
+    seen = []
+    monkeypatch.setattr(training, "after_step", lambda step: seen.append(step))
+    run_study("pv-divergence", "smoke", SHORT, out=out, quiet=True, resume=True)
+    assert seen == list(range(1, 21))  # cell 1's steps only
+    assert sorted(p.name for p in (out / "activations").iterdir()) == sorted(
+        p.name for p in (short / "activations").iterdir())
+    assert_same_numbers(tables(short), tables(out))
+
+
 def test_two_gloo_ranks_give_the_losses_of_one_process(tmp_path):
-    """torchrun with 2 ranks trains each cell with DDP, the global batch of 8 split 4 + 4:
+    """``fp4lab study run ... --nproc 2`` starts torchrun with 2 ranks, which train each cell
+    with DDP, the global batch of 8 split 4 + 4:
     the losses of one process to float32 rounding, MXFP4 P/V's fixed-scale backward
     included (each rank's loss is over the global count of targets). The first step agrees
     to 1e-6; the all-reduce's rounding then grows through training (bf16 roundings flip)."""
     overrides = ["arms=bf16,mxfp4pv", "tasks=text", "seeds=0", "steps=10"]
     one = tmp_path / "one"
     run_study("pv-divergence", "smoke", overrides, out=one, quiet=True)
-    script = tmp_path / "launch.py"
-    script.write_text("import sys\nfrom fp4lab.studies import run_study\n"
-                      "run_study('pv-divergence', 'smoke', sys.argv[2:], out=sys.argv[1], "
-                      "quiet=True)\n")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script),
-                    str(tmp_path / "two"), *overrides], cwd=ROOT, check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                   timeout=150)
+    sets = [word for o in overrides for word in ("--set", o)]
+    done = subprocess.run([sys.executable, "-m", "fp4lab", "study", "run", "pv-divergence",
+                           *sets, "--out", str(tmp_path / "two"), "--quiet", "--nproc", "2"],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
     a, b = tables(one), tables(tmp_path / "two")
     first = a["metrics"]["step"] == 0
     np.testing.assert_allclose(b["metrics"]["loss"][first], a["metrics"]["loss"][first],
