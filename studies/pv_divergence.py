@@ -47,13 +47,27 @@ sized for one H200 (bf16, FP8 and MXFP4 P/V and nine variants, two seeds, each c
 resumable piece; its times are still to be measured, studies/README.md says how); ``long``
 scales the same runs up.
 
-Caveats. The speed goal of the issue (a training step with ``fa4fp4_causal_mxfp4pv`` on the
-Triton backend at no less than 0.4x the tokens/s of bf16 SDPA, measured in the same run by the
-``sdpa`` arm) needs the Triton backend's backward, which does not exist yet: the Triton
-backend refuses a backward by name, so training runs on ``--backend reference`` (on CUDA too)
-and the tokens/s it records are the simulation's. The gradient errors are the reference
-simulation's even when the forward runs elsewhere. The study is small: what it does not
-reproduce at its scale is reported as such, never tuned into appearing.
+Saved activations. With ``--set activations_rows=N`` (the smoke preset: 2) each run ends
+with one forward and backward of N validation sequences with its own recipe and backend and
+writes each layer's q, k, v and dO with `fp4lab.analysis.save_inputs` to
+``<out>/activations/<task>-<arm>-seed<s>-layer<l>.safetensors`` (rank 0, atomically, the same
+bytes when a resumed run rewrites them; `_pv_divergence.training`); the report lists them with
+their hashes, and any analytic study reads one: ``fp4lab study run mxfp4-pv-mechanisms --set
+inputs=<out>/activations/text-mxfp4pv-seed0-layer3.safetensors``.
+
+Speed. The issue's goal is a training step with ``fa4fp4_causal_mxfp4pv`` on the Triton
+backend at no less than 0.4x the tokens/s of bf16 SDPA (the ``sdpa`` arm), measured in the same
+run: ``--backend triton --set reference_arms=bf16`` (the kernels refuse the bf16 reference's
+P format, so that arm runs on the simulation, by name) records each run's backend and its
+steady tokens/s (the median synchronized step after ``speed_skip`` steps), and the report's
+"Time and speed" section gives the ratio and whether the goal is met. Arms with stochastic
+rounding are refused by the Triton kernels. The probes' trace and gradient errors are always
+the reference simulation's.
+
+Caveats. The study is small: what it does not reproduce at its scale is reported as such,
+never tuned into appearing. At the smoke's sizes the MXFP4 P/V route's dQ error against exact
+attention reaches 1 in the later layers (the probes, and mxfp4-pv-mechanisms on a saved file,
+whose dQ/dK gap then reads NaN); why is not examined here.
 """
 
 from __future__ import annotations
