@@ -332,8 +332,8 @@ def _speed(config, runs: pd.DataFrame) -> str:
     columns = {"task": "task", "seed": "seed", "arm": "arm", "backend": "backend",
                "steps_done": "steps", "train_seconds": "training s",
                "tokens_per_second": "tokens/s", steady: "steady tokens/s"}
-    text = ("## Time and speed\n\nEach run's training time (the optimizer steps, probes and "
-            "checkpoints excluded; on a GPU each step synchronized), its tokens/s over all "
+    text = ("## Time and speed\n\nEach run's training time (its optimizer steps alone, without "
+            "probes and checkpoints; on a GPU each step synchronized), its tokens/s over all "
             "steps, and its steady tokens/s (the median step, after the first "
             f"{config.speed_skip} steps).\n\n" + markdown_table(runs, columns) + "\n")
     if "sdpa" not in set(runs["arm"]):
