@@ -187,6 +187,31 @@ def test_divergence_rule_on_made_up_curves():
     assert not table.loc["bf16", "diverged"]
 
 
+@pytest.mark.parametrize("mxfp4, backend, words", [
+    (300.0, "triton", "trains at 0.3x the steady tokens/s of bf16 SDPA in the same run (mean "
+     "over seeds); the goal, 0.4x, is not met."),
+    (500.0, "triton", "at 0.5x the steady tokens/s of bf16 SDPA in the same run (mean over "
+     "seeds); the goal, 0.4x, is met."),
+    (500.0, "reference", None),
+], ids=["slow", "fast", "not-on-triton"])
+def test_speed_goal_against_the_sdpa_arm_of_the_same_seed(mxfp4, backend, words):
+    """Seed 0's sdpa ran 1000 tokens/s, seed 1's 2000; mxfp4pv mxfp4 and 2 x mxfp4: the ratio
+    is per seed, then averaged; only a Triton mxfp4pv run measures the goal."""
+    runs = pd.DataFrame([
+        {"task": "text", "seed": seed, "arm": arm, "backend": back, "steps_done": 10,
+         "train_seconds": 1.0, "tokens_per_second": 1.0, "tokens_per_second_steady": rate}
+        for seed in (0, 1) for arm, back, rate in (
+            ("bf16", "reference", 10.0), ("sdpa", "sdpa", 1000.0 * (seed + 1)),
+            ("mxfp4pv", backend, mxfp4 * (seed + 1)))])
+    found = PARTS["report"].speed_verdict(runs)
+    if words is None:
+        assert found is None
+    else:
+        assert words in found
+    text = PARTS["report"]._speed(STUDY.PRESETS["smoke"], runs)
+    assert "## Time and speed" in text and "| sdpa | sdpa |" in text
+
+
 # -- the data ---------------------------------------------------------------------------------
 def test_recall_batches_take_the_loss_on_the_answers_only():
     task = PARTS["corpora"].RecallTask(keys=16, values=16, pairs=4)
