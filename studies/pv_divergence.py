@@ -42,10 +42,10 @@ steps into its scratch folder and ``--resume`` continues a killed run with the c
 uninterrupted one has. Under ``torchrun`` the ranks train each cell together with DDP (gloo on
 the CPU, NCCL on GPUs; `data_parallel`), the global batch split over them; with
 ``--set data_parallel=false`` the cells spread over the ranks instead (several small runs
-sharing one GPU). ``--preset smoke`` runs on a 2-core CPU in about 25 seconds; ``full`` is
+sharing one GPU). ``--preset smoke`` runs on a 2-core CPU in about 30 seconds; ``full`` is
 sized for one H200 (bf16, FP8 and MXFP4 P/V and nine variants, two seeds, each cell a
-resumable piece; its times are still to be measured, studies/README.md says how); ``long``
-scales the same runs up.
+resumable piece; its times are still to be measured, _pv_divergence/GPU_PLAN.md says how);
+``long`` scales the same runs up.
 
 Saved activations. With ``--set activations_rows=N`` (the smoke preset: 2) each run ends
 with one forward and backward of N validation sequences with its own recipe and backend and
