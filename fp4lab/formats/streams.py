@@ -1,0 +1,77 @@
+"""Position-keyed random streams: the uniforms stochastic rounding inside attention takes.
+
+What. Each pass of an attention call (the forward, then the backward) draws one 62-bit key
+from the call's generator (`pass_key`). An operand's stream is keyed by a 64-bit hash of
+(pass key, the operand's stream id in `fp4lab.recipes.OPERANDS`) (`stream_key`), and every
+element takes its uniform from Philox4x32-10 (`fp4lab.formats.philox`) at its absolute
+position: the counter (c0, c1, c2, c3) = (column // 4, row, head, batch), the row being its
+sequence position (the query position for P and dS), the column its feature (the key position
+for P and dS), the head the query head (a whole key-side tensor's own head); the counter's
+four output words serve four consecutive columns, and the uniform is the word times 2^-32.
+
+Why here. Both execution paths draw from this one definition: the simulation
+(`fp4lab.analysis.streams`, tile by tile) and the Triton backend (`fp4lab.kernels.backend`
+for whole tensors, `fp4lab.kernels.random.tile_words` in registers for P and dS), so the
+same seed rounds the same way on the CPU and the GPU, whatever the batch size, head count,
+tiling or chunking. Rounding up where u < frac is exactly unbiased for a fraction of at most
+32 bits below the quantum, and biased by less than 2^-32 of a quantum otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4lab.formats.philox import philox4x32, split_key
+
+__all__ = ["pass_key", "stream_key", "uniforms", "tensor_uniforms"]
+
+_MASK64 = (1 << 64) - 1
+_TWO_TO_MINUS_32 = 2.0**-32
+
+
+def pass_key(generator: torch.Generator) -> int:
+    """One pass's key: an int in [0, 2^62) drawn from `generator` on its own device."""
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator, device=generator.device))
+
+
+def stream_key(*values: int) -> int:
+    """A 64-bit hash of a sequence of ints (splitmix64's finalizer, chained): the same on
+    every machine and Python version; `stream_key(pass key, stream id)` keys a stream."""
+    h = 0
+    for v in values:
+        h = (h ^ (v & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 31
+    return h
+
+
+def uniforms(key: int, batch, head, row, column) -> torch.Tensor:
+    """float64 uniforms of the broadcast shape of the int64 position tensors, for the stream
+    keyed by `key`. Where `column`'s last dim runs over whole aligned groups of four
+    (starts at a multiple of 4 and has a multiple of 4 entries), one counter serves four
+    columns; elsewhere each element takes word (column % 4) of its own counter."""
+    k0, k1 = split_key(key)
+    first = column[..., :1]
+    aligned = column.shape[-1] % 4 == 0 and bool((first % 4 == 0).all())
+    if aligned:  # counters (..., columns / 4), their four words side by side
+        words = philox4x32(column[..., ::4] >> 2, row, head, batch, k0, k1)
+        stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1).flatten(-2)
+    else:
+        words = torch.broadcast_tensors(*philox4x32(column >> 2, row, head, batch, k0, k1))
+        stacked = (
+            torch.stack(words, dim=-1)
+            .gather(-1, (column % 4).unsqueeze(-1).expand(*words[0].shape, 1))
+            .squeeze(-1)
+        )
+    return stacked.to(torch.float64).mul_(_TWO_TO_MINUS_32)
+
+
+def tensor_uniforms(key: int, shape, device) -> torch.Tensor:
+    """The uniforms of a whole operand (B, heads, seq, E) for the stream keyed by `key`,
+    float64 on `device`: element (b, h, s, e) at counter (e // 4, s, h, b)."""
+    b, h, s, e = shape
+    width = -(-e // 4) * 4  # whole groups of four columns, cropped after
+    position = [torch.arange(n, device=device) for n in (b, h, s, width)]
+    position = [p.view([-1 if d == i else 1 for d in range(4)]) for i, p in enumerate(position)]
+    return uniforms(key, *position)[..., :e]
