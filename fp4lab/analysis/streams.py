@@ -1,7 +1,9 @@
 """Stochastic rounding's random numbers inside attention, keyed by position, tile by tile.
 
 The definition lives in `fp4lab.formats.streams` (the Triton backend draws from it too); this
-module hands the simulation its uniforms per operand and per block of tiles. Each pass (the forward, then the backward) draws one key of 62 bits from the call's
+module hands the simulation its uniforms per operand and per block of tiles.
+
+Each pass (the forward, then the backward) draws one key of 62 bits from the call's
 generator. Every element of every operand then takes its uniform from Philox4x32-10
 (`fp4lab.formats.philox`, the generator the Triton kernels implement bit for bit) as a pure
 function of:
