@@ -646,13 +646,13 @@ def _fwd_inner(
     return acc, l_i, m_i, acc_p, l_p
 
 
-@triton.jit(do_not_specialize=["sr_k0", "sr_k1"])
+@triton.jit
 def _attn_fwd(
     Q, K, V, VP, Out, OutP, LSE, MRef, QF, KF, VF, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_pb, stride_ph, stride_pn, stride_pd,
     stride_ob, stride_oh, stride_om,
-    H, G, Sq, Sk, anchor_log2, sr_k0, sr_k1,
+    H, G, Sq, Sk, anchor_log2, SRKeys, sr_batch,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, REVERSE: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
     ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr,
@@ -670,7 +670,8 @@ def _attn_fwd(
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
     units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
     (laid out as Out); with SAVE_M each key tile's row reference into MRef (B, H, Sq, n tiles);
-    with SR, P rounds stochastically by its stream's key words sr_k0, sr_k1 (int32 bits).
+    with SR, P rounds stochastically by its stream's key words (`sr_key_table`: int32 pairs,
+    one per sr_batch consecutive batch elements, which count their batch from 0).
 
     Its key tiles split in two ranges, in the recipe's order: the first n_free tiles hold only
     visible keys of full query rows (no masks), the rest (the diagonal band when causal, a
@@ -679,6 +680,7 @@ def _attn_fwd(
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     hk = h // G
+    sr_k0, sr_k1, sr_b = _stream_words(SRKeys, b, sr_batch, 0, 1)
     # the operands' factors outside their bf16 values (tensor scales, alpha grids' 1/M_e)
     qk_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + b * (H // G) + hk)
     out_factor = tl.load(VF + b * (H // G) + hk)
@@ -731,7 +733,7 @@ def _attn_fwd(
     acc, l_i, m_i, acc_p, l_p = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
         qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
-        first1, count1, sr_k0.to(tl.uint32), sr_k1.to(tl.uint32), b, h,
+        first1, count1, sr_k0, sr_k1, sr_b, h,
         REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
@@ -740,7 +742,7 @@ def _attn_fwd(
     acc, l_i, m_i, acc_p, l_p = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
         qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
-        first2, count2, sr_k0.to(tl.uint32), sr_k1.to(tl.uint32), b, h,
+        first2, count2, sr_k0, sr_k1, sr_b, h,
         not REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
@@ -766,8 +768,8 @@ _REFERENCES = {"running": 0, "anchor": 1, "zero": 2}
 
 
 def sr_key_words(key: int | None, stochastic: bool, name: str) -> tuple[int, int]:
-    """A stream key (`fp4lab.formats.streams.stream_key`) as the kernels' two int32 arguments
-    (Philox's key words, their bits as signed ints); (0, 0) where nothing is stochastic."""
+    """A stream key (`fp4lab.formats.streams.stream_key`) as Philox's two key words, their
+    bits as signed int32s; (0, 0) where nothing is stochastic."""
     if not stochastic:
         return 0, 0
     if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < 1 << 64:
@@ -776,6 +778,36 @@ def sr_key_words(key: int | None, stochastic: bool, name: str) -> tuple[int, int
             f"(fp4lab.formats.streams.stream_key), got {key!r}"
         )
     return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in split_key(key))
+
+
+def sr_key_table(keys: tuple, stochastic: tuple, names: tuple, batch: int, device):
+    """(table, batch per key) of the stream keys of m operands for a kernel: `keys[j]` is one
+    64-bit key, or a sequence of n keys, one per consecutive batch / n batch elements (samples
+    stacked along the batch, each drawing as its own call would), or None where operand j
+    does not round stochastically (`stochastic[j]` False). The table is int32 (n, m, 2)."""
+    n = max((len(k) for k in keys if isinstance(k, (tuple, list))), default=1)
+    if batch % n:
+        raise ValueError(f"sr keys: {n} keys per stream do not split a batch of {batch} evenly")
+    rows = []
+    for i in range(n):
+        row = []
+        for key, random, name in zip(keys, stochastic, names, strict=True):
+            each = key if isinstance(key, (tuple, list)) else [key] * n
+            if len(each) != n:
+                raise ValueError(f"{name}: {len(each)} keys, where another stream has {n}")
+            row.append(sr_key_words(each[i], random, name))
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int32, device=device), batch // n
+
+
+@triton.jit
+def _stream_words(SRKeys, b, sr_batch, j, M: tl.constexpr):
+    """(k0, k1, batch) of stream j (of M) for batch element b: the key words (uint32) of its
+    chunk of sr_batch elements in `sr_key_table`'s table, and its batch index in the chunk."""
+    chunk = b // sr_batch
+    k0 = tl.load(SRKeys + (chunk * M + j) * 2).to(tl.uint32)
+    k1 = tl.load(SRKeys + (chunk * M + j) * 2 + 1).to(tl.uint32)
+    return k0, k1, b % sr_batch
 
 
 # -- the launcher ----------------------------------------------------------------------------------
@@ -801,7 +833,7 @@ def attention_forward(
     lse_log2: bool = False,
     o_prime: torch.Tensor | None = None,
     m_ref: torch.Tensor | None = None,
-    sr_key: int | None = None,
+    sr_key=None,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
@@ -820,7 +852,8 @@ def attention_forward(
     (log2 units; tiles a row does not visit are left as they were), or None. `sr_key`: the
     64-bit key of P's random stream (`fp4lab.formats.streams.stream_key`), required when
     `pq` rounds stochastically: element (b, h, query, key) of P takes the stream's word at
-    that position, as the simulation draws it."""
+    that position, as the simulation draws it; or a sequence of n keys, one per consecutive
+    B / n batch elements, which then count their batch from 0 (`sr_key_table`)."""
     if reference not in _REFERENCES:
         raise ValueError(f"reference must be one of {', '.join(_REFERENCES)}; got {reference!r}")
     if reference == "anchor" and not 0 < anchor_keys <= block_n:
@@ -834,9 +867,9 @@ def attention_forward(
             f"(the unquantized V) and block_m a multiple of it (got {block_m}), so that the "
             "diagonal blocks lie in the masked tiles only"
         )
-    sr_words = sr_key_words(sr_key, pq.SR, "sr_key")
     v_plain = v if v_plain is None else v_plain
     B, H, Sq, D = q.shape
+    sr_table = sr_key_table((sr_key,), (pq.SR,), ("sr_key",), B, q.device)
     Hk, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     o = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)  # bf16 (fp32 interpreted)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -858,7 +891,7 @@ def attention_forward(
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), *v_plain.stride(),
         o.stride(0), o.stride(1), o.stride(2),
-        H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E, *sr_words,
+        H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E, *sr_table,
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, REVERSE=reverse,
         LAZY=lazy_log2 is not None, LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized,
         PV_FP8=v.dtype == torch.float8_e4m3fn,

@@ -75,8 +75,9 @@ from fp4lab.kernels.flash import (
     _grid,
     _quantize_p,
     _round,
+    _stream_words,
     check_p,
-    sr_key_words,
+    sr_key_table,
 )
 from fp4lab.kernels.quantize import _bfloat16_round
 from fp4lab.kernels.random import tile_words
@@ -256,8 +257,7 @@ def _words(k0, k1, batch, head, offs_m, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     dK/dV kernel's layout); 0 where the operand does not round stochastically."""
     words = 0
     if SR:
-        words = tile_words(k0.to(tl.uint32), k1.to(tl.uint32), batch, head, offs_m, n0, BLOCK_M,
-                           BLOCK_N)  # fmt: skip
+        words = tile_words(k0, k1, batch, head, offs_m, n0, BLOCK_M, BLOCK_N)
         if KEYS_FIRST:
             words = tl.trans(words)
     return words
@@ -405,10 +405,10 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["sr_dv0", "sr_dv1", "sr_dk0", "sr_dk1"])
+@triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, QD, DOV, DOP, LSE, DELTA, MRef, DK, DV, QF, KF, DOVF, DOPF, VF, QDF, qk_scale,
-    scale, H, G, Sq, Sk, sr_dv0, sr_dv1, sr_dk0, sr_dk1,
+    scale, H, G, Sq, Sk, SRKeys, sr_batch,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr, REPLAY: tl.constexpr, LEAK: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
@@ -437,6 +437,8 @@ def _attn_bwd_dkdv(
     bhk = tl.program_id(1)
     Hk = H // G
     b, hk = bhk // Hk, bhk % Hk
+    sr_dv0, sr_dv1, sr_b = _stream_words(SRKeys, b, sr_batch, 0, 3)
+    sr_dk0, sr_dk1, _ = _stream_words(SRKeys, b, sr_batch, 2, 3)
     n0 = start_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -484,7 +486,7 @@ def _attn_bwd_dkdv(
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, qd_base, dov_base, dop_base, LSE + q_row0, DELTA + q_row0,
                 MRef + q_row0 * n_k, n_k, start_n, offs_n, cols, s_h, f_dov, f_dp, f_q, Sq,
-                first, count, sr_dv0, sr_dv1, sr_dk0, sr_dk1, b, hk * G + g,
+                first, count, sr_dv0, sr_dv1, sr_dk0, sr_dk1, sr_b, hk * G + g,
                 r != 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV, REPLAY, LEAK,
                 DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
                 DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
@@ -581,10 +583,10 @@ def _dq_inner(
     return dq
 
 
-@triton.jit(do_not_specialize=["sr_dv0", "sr_dv1", "sr_dq0", "sr_dq1"])
+@triton.jit
 def _attn_bwd_dq(
     Q, K, V, KD, DOP, LSE, DELTA, DQ, QF, KF, DOPF, VF, KDF, qk_scale, scale, H, G, Sq, Sk,
-    sr_dv0, sr_dv1, sr_dq0, sr_dq1,
+    SRKeys, sr_batch,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
@@ -608,6 +610,8 @@ def _attn_bwd_dq(
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     bhk = b * (H // G) + h // G
+    sr_dv0, sr_dv1, sr_b = _stream_words(SRKeys, b, sr_batch, 0, 3)
+    sr_dq0, sr_dq1, _ = _stream_words(SRKeys, b, sr_batch, 1, 3)
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -639,7 +643,7 @@ def _attn_bwd_dq(
         dq = _dq_inner(
             dq, q, do_p, lse2, delta, K + k_row0 * HEAD_DIM, V + k_row0 * V_DIM,
             KD + k_row0 * HEAD_DIM, offs_m, rows, s_scale, f_dp, Sk, first, count,
-            sr_dv0, sr_dv1, sr_dq0, sr_dq1, b, h,
+            sr_dv0, sr_dv1, sr_dq0, sr_dq1, sr_b, h,
             r == 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV,
             DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
             DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
@@ -681,18 +685,17 @@ def attention_backward(
     leakage fix, whose diagonal blocks of P that P^ leaves unquantized. `sr_keys`: the 64-bit
     stream keys (`fp4lab.formats.streams.stream_key`) of `dv_p`, `dq_ds` and `dk_ds`, each
     required where that quantizer rounds stochastically (dv_p's: the forward's P stream for
-    the replay and the straight-through backward's P, as the simulation draws them)."""
+    the replay and the straight-through backward's P, as the simulation draws them); each a
+    sequence of n keys for n samples stacked along the batch (`flash.sr_key_table`)."""
     q, qf = ops.q
     k, kf = ops.k
     B, H, Sq, D = q.shape
     Hk, Sk, Dv = k.shape[1], k.shape[2], ops.v_dp[0].shape[-1]
     check_tiles(block_m, block_n, dv_p=dv_p, dq_ds=dq_ds, dk_ds=dk_ds)
-    sr_dv, sr_dq, sr_dk = (
-        sr_key_words(key, tq.pq.SR, f"sr_keys[{i}] ({name})")
-        for i, (key, tq, name) in enumerate(
-            zip(sr_keys, (dv_p, dq_ds, dk_ds), ("dv_p", "dq_ds", "dk_ds"), strict=True)
-        )
-    )
+    sr_table = sr_key_table(
+        tuple(sr_keys), tuple(tq.pq.SR for tq in (dv_p, dq_ds, dk_ds)),
+        ("sr_keys[0] (dv_p)", "sr_keys[1] (dq_ds)", "sr_keys[2] (dk_ds)"), B, q.device,
+    )  # fmt: skip
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     # -- D = rowsum(dO * O) --
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -718,7 +721,7 @@ def attention_backward(
         _attn_bwd_dkdv, (triton.cdiv(Sk, block_n), B * Hk),
         (q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv, f32(qf),
          f32(kf), f32(f_dov), f32(f_dop), f32(f_v), f32(f_qd), scale * LOG2E, scale, H, H // Hk,
-         Sq, Sk, *sr_dv, *sr_dk),
+         Sq, Sk, *sr_table),
         dict(REPLAY=m_ref is not None, LEAK=leakage_block, **common, **dv_constants,
              **dk_ds.constants("DK", keys_last=False)),
     )  # fmt: skip
@@ -728,7 +731,7 @@ def attention_backward(
     _launch(
         _attn_bwd_dq, (triton.cdiv(Sq, block_m), B * H),
         (q, k, v, kd, do_p, lse, delta, dq, f32(qf), f32(kf), f32(f_dop), f32(f_v), f32(f_kd),
-         scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_dv, *sr_dq),
+         scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table),
         dict(**common, **dv_p.constants("DV", keys_last=True),
              **dq_ds.constants("DQ", keys_last=True)),
     )  # fmt: skip
