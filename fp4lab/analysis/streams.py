@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4lab.formats.streams import pass_key, stream_key, tensor_uniforms, uniforms
+from fp4lab.formats.streams import pass_key, stream_key, stream_keys, tensor_uniforms, uniforms
 from fp4lab.recipes import operand
 
 __all__ = ["Draws", "ZeroDraws", "DROPOUT_STREAM"]
@@ -40,7 +40,9 @@ class Draws:
     """The uniforms of one pass: `for_operand` gives an operand's, `for_tiles` a stream's on
     a block of tiles."""
 
-    def __init__(self, generator: torch.Generator, block_m: int, block_n: int):
+    def __init__(self, generator, block_m: int, block_n: int):
+        """`generator`: a torch.Generator, or a tuple of n of them for n samples stacked along
+        the batch (`fp4lab.formats.streams.as_generators`): then `key` is a tuple."""
         self.key = pass_key(generator)
         self.block_m, self.block_n = block_m, block_n
 
@@ -51,18 +53,26 @@ class Draws:
         stream = operand(field).stream
         if at is not None:
             return self.for_tiles(stream, x, at)
-        return tensor_uniforms(stream_key(self.key, stream), x.shape, x.device)
+        return tensor_uniforms(stream_keys(self.key, stream), x.shape, x.device)
 
     def for_tiles(self, stream: int, x: torch.Tensor, at: tuple[int, int]) -> torch.Tensor:
         """Uniforms of x's shape for a block of tiles x (B, Hkv, G, n, g, r, c) whose first
         tile is (query tile, key tile) `at`, from stream `stream`."""
+        b, hk, g, n, m, r, c = x.shape
+        if isinstance(self.key, tuple):  # stacked samples: each chunk of the batch alone
+            chunks = x.chunk(len(self.key))
+            return torch.cat([self._tiles(k, stream, part, at)
+                              for k, part in zip(self.key, chunks, strict=True)])  # fmt: skip
+        return self._tiles(self.key, stream, x, at)
+
+    def _tiles(self, key: int, stream: int, x: torch.Tensor, at: tuple[int, int]):
         b, hk, g, n, m, r, c = x.shape
         i0, j0 = at
         head = _index(hk, 1, 7) * g + _index(g, 2, 7)  # the query head
         rows = (i0 + _index(n, 3, 7)) * self.block_m + _index(r, 5, 7)
         cols = (j0 + _index(m, 4, 7)) * self.block_n + _index(c, 6, 7)
         position = tuple(p.to(x.device) for p in (_index(b, 0, 7), head, rows, cols))
-        return uniforms(stream_key(self.key, stream), *position)
+        return uniforms(stream_key(key, stream), *position)
 
 
 def _index(n: int, dim: int, ndim: int) -> torch.Tensor:

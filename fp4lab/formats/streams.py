@@ -22,15 +22,31 @@ from __future__ import annotations
 import torch
 
 from fp4lab.formats.philox import philox4x32, split_key
+from fp4lab.formats.rounding import as_generator
 
-__all__ = ["pass_key", "stream_key", "uniforms", "tensor_uniforms"]
+__all__ = ["as_generators", "pass_key", "stream_key", "stream_keys", "uniforms", "tensor_uniforms"]
 
 _MASK64 = (1 << 64) - 1
 _TWO_TO_MINUS_32 = 2.0**-32
 
 
-def pass_key(generator: torch.Generator) -> int:
-    """One pass's key: an int in [0, 2^62) drawn from `generator` on its own device."""
+def as_generators(generator):
+    """A call's generator(s): a torch.Generator from a generator or an int seed (an int seed
+    makes a CPU generator), a tuple of them from a list or tuple of such (samples stacked
+    along the batch: generator i draws for the i-th of n equal consecutive chunks of the
+    batch, as a call on that chunk alone would), or None."""
+    if isinstance(generator, (tuple, list)):
+        if not generator:
+            raise ValueError("generator: an empty sequence of generators")
+        return tuple(as_generator(g) for g in generator)
+    return as_generator(generator)
+
+
+def pass_key(generator) -> int | tuple[int, ...]:
+    """One pass's key: an int in [0, 2^62) drawn from `generator` on its own device, or one
+    from each generator of a tuple (`as_generators`)."""
+    if isinstance(generator, tuple):
+        return tuple(pass_key(g) for g in generator)
     return int(torch.randint(0, 1 << 62, (1,), generator=generator, device=generator.device))
 
 
@@ -44,6 +60,13 @@ def stream_key(*values: int) -> int:
         h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
         h ^= h >> 31
     return h
+
+
+def stream_keys(key: int | tuple, stream: int) -> int | tuple:
+    """The key of stream `stream` under a pass key, or under each of a tuple of them."""
+    if isinstance(key, tuple):
+        return tuple(stream_key(k, stream) for k in key)
+    return stream_key(key, stream)
 
 
 def uniforms(key: int, batch, head, row, column) -> torch.Tensor:
@@ -67,10 +90,15 @@ def uniforms(key: int, batch, head, row, column) -> torch.Tensor:
     return stacked.to(torch.float64).mul_(_TWO_TO_MINUS_32)
 
 
-def tensor_uniforms(key: int, shape, device) -> torch.Tensor:
+def tensor_uniforms(key: int | tuple, shape, device) -> torch.Tensor:
     """The uniforms of a whole operand (B, heads, seq, E) for the stream keyed by `key`,
-    float64 on `device`: element (b, h, s, e) at counter (e // 4, s, h, b)."""
+    float64 on `device`: element (b, h, s, e) at counter (e // 4, s, h, b). A tuple of n keys
+    draws each of n equal consecutive chunks of the batch with its own key, the chunk's
+    batch counted from 0 (stacked samples)."""
     b, h, s, e = shape
+    if isinstance(key, tuple):
+        chunk = b // len(key)
+        return torch.cat([tensor_uniforms(k, (chunk, h, s, e), device) for k in key])
     width = -(-e // 4) * 4  # whole groups of four columns, cropped after
     position = [torch.arange(n, device=device) for n in (b, h, s, width)]
     position = [p.view([-1 if d == i else 1 for d in range(4)]) for i, p in enumerate(position)]

@@ -28,8 +28,8 @@ import os
 
 import torch
 
-from fp4lab.formats import FP8_E4M3FN, FP32, FloatFormat, QuantSpec, as_generator, round_to_format
-from fp4lab.formats.streams import pass_key, stream_key, tensor_uniforms
+from fp4lab.formats import FP8_E4M3FN, FP32, FloatFormat, QuantSpec, round_to_format
+from fp4lab.formats.streams import as_generators, pass_key, stream_keys, tensor_uniforms
 from fp4lab.recipes import (
     AttentionRecipe,
     BackwardMode,
@@ -126,7 +126,7 @@ def _noise(x: torch.Tensor, recipe: AttentionRecipe, field: str, key: int | None
     spec = getattr(recipe, field)
     if not (isinstance(spec, QuantSpec) and spec.stochastic):
         return None
-    return tensor_uniforms(stream_key(key, operand(field).stream), x.shape, x.device)
+    return tensor_uniforms(stream_keys(key, operand(field).stream), x.shape, x.device)
 
 
 def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, key=None):
@@ -432,8 +432,9 @@ class _TritonAttention(torch.autograd.Function):
 
 
 def _stream(key: int | None, field: str) -> int | None:
-    """The stream key of operand `field` under a pass key (None without one)."""
-    return None if key is None else stream_key(key, operand(field).stream)
+    """The stream key of operand `field` under a pass key, or a tuple of them under stacked
+    samples' keys (None without one)."""
+    return None if key is None else stream_keys(key, operand(field).stream)
 
 
 def backward_stream_keys(recipe: AttentionRecipe, fwd_key: int | None, key: int | None):
@@ -471,11 +472,16 @@ def attention(
     if dropout_p:
         raise NotImplementedError("dropout_p: the Triton kernels have no dropout yet")
     check_recipe(recipe)
-    gen = as_generator(generator)
+    gen = as_generators(generator)
     if gen is None and recipe.stochastic:
         raise ValueError(
             f"generator: recipe {recipe.name!r} rounds stochastically; pass a torch.Generator "
             "or an int seed (fp4lab never draws from torch's global random state)"
+        )
+    if isinstance(gen, tuple) and q.shape[0] % len(gen):
+        raise ValueError(
+            f"generator: {len(gen)} generators (stacked samples) must split the batch of "
+            f"{q.shape[0]} into equal chunks"
         )
     block_m, block_n = recipe.tiles(block_m, block_n)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
