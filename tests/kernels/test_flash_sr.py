@@ -20,6 +20,7 @@ from the recipe rounded to nearest (a kernel that drew other bits would fail).
 import dataclasses
 import zlib
 
+import pandas as pd
 import pytest
 import torch
 
@@ -291,3 +292,21 @@ def test_tensor_uniforms_is_what_draws_give_a_whole_operand():
     x = torch.zeros(2, 3, 5, 6)
     assert torch.equal(draws.for_operand("dk_q", x, None),
                        tensor_uniforms(stream_key(draws.key, 11), x.shape, x.device))  # fmt: skip
+
+
+def test_gradient_bias_on_the_kernels_batched_is_the_looped_one():
+    # three samples of croissattn with a stochastic P, two at a time, on the Triton backend
+    # (the GPU's default batches them): stacked samples draw their own bits, so the numbers
+    # are those of one sample a call; the kernels' bias lies where the simulation's does
+    q, k, v, do = inputs(1, 2, 1, 32, 32, 32, seed=23)
+    recipe = SR_RECIPES["croissattn p_sr"]
+    run = dict(samples=3, seed=5, reference="forward", block_m=16, block_n=16, causal=True)
+    looped = fp4lab.gradient_bias(q, k, v, do, recipe, backend="triton", batch=1, **run)
+    batched = fp4lab.gradient_bias(q, k, v, do, recipe, backend="triton", batch=2, **run)
+    for frame in ("tensors", "tiles", "convergence"):
+        pd.testing.assert_frame_equal(getattr(batched, frame), getattr(looped, frame))
+    simulated = fp4lab.gradient_bias(q, k, v, do, recipe, **run)
+    # |rel_bias difference| <= ||g_kernel - g_sim|| / ||g|| for both the sample and its
+    # reference (Cauchy-Schwarz): twice the gradients' budget
+    got, want = looped.tensors["rel_bias"], simulated.tensors["rel_bias"]
+    assert ((got - want).abs() <= 2 * BUDGET).all(), (got - want).abs().max()
