@@ -74,7 +74,12 @@ def uniforms(key: int, batch, head, row, column) -> torch.Tensor:
     keyed by `key`. Where `column`'s last dim runs over whole aligned groups of four
     (starts at a multiple of 4 and has a multiple of 4 entries), one counter serves four
     columns; elsewhere each element takes word (column % 4) of its own counter."""
-    k0, k1 = split_key(key)
+    return _keyed(*split_key(key), batch, head, row, column)
+
+
+def _keyed(k0, k1, batch, head, row, column) -> torch.Tensor:
+    """`uniforms` under the key words (k0, k1): ints, or int64 tensors broadcast with the
+    positions (a key per element)."""
     first = column[..., :1]
     aligned = column.shape[-1] % 4 == 0 and bool((first % 4 == 0).all())
     if aligned:  # counters (..., columns / 4), their four words side by side
@@ -96,10 +101,12 @@ def tensor_uniforms(key: int | tuple, shape, device) -> torch.Tensor:
     draws each of n equal consecutive chunks of the batch with its own key, the chunk's
     batch counted from 0 (stacked samples)."""
     b, h, s, e = shape
-    if isinstance(key, tuple):
-        chunk = b // len(key)
-        return torch.cat([tensor_uniforms(k, (chunk, h, s, e), device) for k in key])
     width = -(-e // 4) * 4  # whole groups of four columns, cropped after
     position = [torch.arange(n, device=device) for n in (b, h, s, width)]
     position = [p.view([-1 if d == i else 1 for d in range(4)]) for i, p in enumerate(position)]
-    return uniforms(key, *position)[..., :e]
+    if not isinstance(key, tuple):
+        return uniforms(key, *position)[..., :e]
+    chunk = b // len(key)  # each chunk of the batch under its key, its batch counted from 0
+    words = torch.tensor([split_key(k) for k in key], dtype=torch.int64, device=device)
+    k0, k1 = (words[:, i].repeat_interleave(chunk).view(b, 1, 1, 1) for i in (0, 1))
+    return _keyed(k0, k1, position[0] % chunk, *position[1:])[..., :e]
