@@ -14,6 +14,14 @@ forward_exact backwards), and P and dS inside its kernels. K smoothing runs outs
 Function, as in the simulation, so K's gradient takes the mean's Jacobian in torch. A call
 whose inputs require grad is checked for the backward too, before the forward runs.
 
+Stochastic rounding draws what the simulation draws (`fp4lab.formats.streams`): the forward
+takes one pass key from the call's generator and the backward another after it; a
+whole-tensor operand rounds with its stream's uniforms at every element's position, handed
+to the fused quantizer as `noise` (so its codes and scales are the simulation's bit for bit),
+and P and dS round in the kernels with the same streams' words made in registers. A list of
+generators runs samples stacked along the batch, each drawing as a call on it alone
+(`gradient_bias` batches so).
+
 What the kernels do not cover yet raises `NotImplementedError` naming it, before anything
 runs: the trace, masks other than causal, inputs other than bf16/fp16, dropout, the recipe
 mechanisms `fp4lab.kernels.flash` lists, and the backward's (`check_backward`: Hadamard

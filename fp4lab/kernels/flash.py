@@ -38,9 +38,21 @@ difference), fill Attn-QAT's second output O' (the unquantized P's) and save the
 reference each key tile used (for a backward that replays the forward's own P^); none of
 these changes O or the natural-units lse.
 
+Stochastic rounding of P (a block format with rounding=stochastic; its scales round to
+nearest, as the reference's). The random bits are the simulation's: Philox4x32-10 words of
+P's stream (`fp4lab.formats.streams`: keyed by the forward's pass key and P's stream id)
+at each element's (batch, query head, query, key) position, made in registers per tile
+(`fp4lab.kernels.random.tile_words`, one counter for four keys) and compared with the
+fraction of |x| / quantum exactly as the reference compares its uniform (`_round_stochastic`).
+So a tile gives the simulation's P^ bit for bit from the same P; inside attention P itself
+comes from fp32 sums in another order, and an element whose uniform lies within that
+difference of its fraction rounds the other way, as an element next to a midpoint does under
+rounding to nearest. The keys reach the kernel as a table, one per chunk of the batch
+(`sr_key_table`), so samples stacked along the batch each draw as alone.
+
 What is not here yet (asking for it raises, never falls back): the trace, two-level P,
-Direct-P's affine code map, P blocked along the queries, stochastic rounding of P and
-attn_mask.
+Direct-P's affine code map and stochastic codes, P blocked along the queries, MS-EDEN's
+stochastic scales, sr_bits above 32 (the words have 32 bits) and attn_mask.
 """
 
 from __future__ import annotations

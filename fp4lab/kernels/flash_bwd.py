@@ -52,9 +52,17 @@ forward's own P^ tiles, replayed in the dK/dV kernel from the row reference each
 the forward used (the forward saves them: `attention_forward`'s m_ref) with the forward's P
 quantizer, along the keys.
 
+Stochastic rounding. P for dV and dS for dQ and dK round stochastically as the forward's P
+does (`fp4lab.kernels.flash`): each from its own stream (dv_p, dq_ds, dk_ds; the
+straight-through P from the backward pass's P stream, the replayed P^ from the forward's),
+the words made in registers at each element's (batch, query head, query, key) position and
+transposed with the tile in the dK/dV kernel; the dQ kernel's P^ for dS = P^ (dP - D) takes
+the very words the dK/dV kernel's does, so both quantize the same P^. dS rounds on its
+magnitude, as the reference rounds |x| and restores the sign.
+
 What is not here (each refused by `fp4lab.kernels.backend.check_backward` before anything
-runs): stochastic rounding, Hadamard transforms and 2-D blocks, fixed scales on P or dS,
-dropout and the trace.
+runs): Hadamard transforms (so MS-EDEN) and 2-D blocks, fixed scales on P or dS, stochastic
+rounding of a per-tile FP32 scale format, dropout and the trace.
 """
 
 from __future__ import annotations

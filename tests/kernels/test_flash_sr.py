@@ -310,3 +310,20 @@ def test_gradient_bias_on_the_kernels_batched_is_the_looped_one():
     # reference (Cauchy-Schwarz): twice the gradients' budget
     got, want = looped.tensors["rel_bias"], simulated.tensors["rel_bias"]
     assert ((got - want).abs() <= 2 * BUDGET).all(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("backend_name", ["triton", "reference"])
+def test_samples_stacked_along_the_batch_draw_as_they_would_alone(backend_name):
+    # a list of generators: the i-th draws for the i-th chunk of the batch, as a call on it
+    q, k, v, do = inputs(1, 2, 1, 48, 48, 32, seed=24)
+    recipe = SR_RECIPES["croissattn p_sr"]
+    tiles = dict(block_m=16, block_n=16, causal=True)
+    alone = [run(q, k, v, do, recipe, backend_name, generator=s, **tiles) for s in (11, 12, 13)]
+    stacked = run(*(x.repeat(3, 1, 1, 1) for x in (q, k, v, do)), recipe, backend_name,
+                  generator=[11, 12, 13], **tiles)  # fmt: skip
+    for i, one in enumerate(alone):
+        for name in ("o", *GRADS):
+            assert torch.equal(stacked[name][i : i + 1], one[name]), (i, name)
+    with pytest.raises(ValueError, match="2 generators .* batch of 3"):
+        run(*(x.repeat(3, 1, 1, 1) for x in (q, k, v, do)), recipe, backend_name,
+            generator=[1, 2], **tiles)  # fmt: skip
