@@ -134,6 +134,11 @@ def _noise(x: torch.Tensor, recipe: AttentionRecipe, field: str, key: int | None
     spec = getattr(recipe, field)
     if not (isinstance(spec, QuantSpec) and spec.stochastic):
         return None
+    if key is None:
+        raise ValueError(
+            f"key: operand {field!r} rounds stochastically ({spec.name}) and needs the pass's "
+            "key (fp4lab.formats.streams.pass_key)"
+        )
     return tensor_uniforms(stream_keys(key, operand(field).stream), x.shape, x.device)
 
 
