@@ -23,8 +23,17 @@ tiles; the worst relative L2 of dQ, dK, dV). FLOPs count the forward's 4 B H S^2
 causal) times 3.5 (the backward does 2.5 times the forward's). Issue 9's goal:
 `fa4fp4_causal` at least 0.35x SDPA's forward plus backward.
 
+Also (`--gradient-bias`): `fp4lab.gradient_bias(..., backend="triton")` with 256 samples of
+each stochastic recipe (`--bias-recipes`, croissattn by default) at B1 H16 S4096 D128 bf16,
+causal, against the exact reference, its samples stacked along the batch (`batch` at its
+default), timed end to end after one warm-up call of 2 samples (compilation), beside the
+simulation path's time per sample on CUDA (2 samples, scaled to 256) in the same run; each
+first checked on 4 samples against the simulation's gradient_bias (the largest difference of
+the per-tensor rel_bias, and the samples' se for scale). Issue 9's goal: under 10 s.
+
     python benchmarks/bench_attention_gpu.py [--recipes exact nvfp4 ...] [--reference]
         [--backward [--backward-recipes fa4fp4_causal ...]] [--no-kernels] [--out DIR]
+        [--gradient-bias [--bias-recipes croissattn ...] [--bias-samples 256]]
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +96,13 @@ def main() -> None:
         "--backward-recipes", nargs="+",
         default=["fa4fp4_causal", "exact", "nvfp4", "fa3_fp8", "attn_qat"],
     )  # fmt: skip
+    parser.add_argument("--gradient-bias", action="store_true",
+                        help="time gradient_bias's samples on the kernels")  # fmt: skip
+    parser.add_argument("--bias-recipes", nargs="+", default=["croissattn"])
+    parser.add_argument("--bias-samples", type=int, default=256)
     args = parser.parse_args()
+    if args.gradient_bias:
+        gradient_bias_timing(args.bias_recipes, args.bias_samples, args.out)
     if args.reference:
         reference_on_cuda()
     if args.backward:
@@ -263,6 +279,43 @@ def forward_backward(recipes, out_dir) -> None:
                     continue
                 emit({**row, "ms": ms, "tflops": flops / ms / 1e9, "x_sdpa": sdpa_ms / ms,
                       "check": diff})  # fmt: skip
+
+
+def gradient_bias_timing(recipes, samples: int, out_dir) -> None:
+    """fp4lab.gradient_bias on the kernels, B1 H16 S4096 D128 bf16 causal, beside the
+    simulation's time per sample (see the module docstring)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, do = (
+        torch.randn(1, 16, 4096, 128, device="cuda", generator=g).bfloat16() for _ in range(4)
+    )
+    run = dict(seed=0, causal=True, reference="exact")
+    rows = []
+    print(f"gradient_bias, B1 H16 S4096 D128 bf16 causal, {samples} samples against exact")
+    print(f"{'recipe':20s} {'kernels s':>10s} {'sim s (scaled)':>15s} {'x faster':>9s} "
+          f"{'rel_bias diff':>14s} {'se':>9s}")  # fmt: skip
+    for name in recipes:
+        check = [fp4lab.gradient_bias(q, k, v, do, name, samples=4, backend=b, **run).tensors
+                 for b in ("triton", "reference")]  # fmt: skip
+        diff = (check[0]["rel_bias"] - check[1]["rel_bias"]).abs().max()
+        fp4lab.gradient_bias(q, k, v, do, name, samples=2, backend="triton", **run)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = fp4lab.gradient_bias(q, k, v, do, name, samples=samples, backend="triton", **run)
+        torch.cuda.synchronize()
+        kernels_s = time.perf_counter() - start
+        start = time.perf_counter()
+        fp4lab.gradient_bias(q, k, v, do, name, samples=2, **run)
+        torch.cuda.synchronize()
+        simulation_s = (time.perf_counter() - start) / 2 * samples
+        row = dict(recipe=name, samples=samples, kernels_s=kernels_s, simulation_s=simulation_s,
+                   check_rel_bias_diff=float(diff), se=float(check[1]["se"].max()),
+                   rel_bias=result.tensors["rel_bias"].tolist())  # fmt: skip
+        rows.append(row)
+        speedup = simulation_s / kernels_s
+        print(f"{name:20s} {kernels_s:10.2f} {simulation_s:15.1f} {speedup:9.1f} {diff:14.1e} "
+              f"{row['se']:9.1e}", flush=True)  # fmt: skip
+        with open(os.path.join(out_dir, "bench_attention_gpu_bias.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 def reference_on_cuda() -> None:

@@ -8,8 +8,8 @@ explicitly chosen backend; `compare` and `gradient_bias` measure a recipe agains
 attention. See the README for a tour.
 """
 
-from fp4lab.analysis import compare, gradient_bias, patch_sdpa
-from fp4lab.backends import attention
+from fp4lab.analysis import compare, patch_sdpa
+from fp4lab.backends import attention, gradient_bias
 from fp4lab.formats import (
     FloatFormat,
     QuantizedTensor,

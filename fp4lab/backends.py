@@ -12,12 +12,16 @@ study that asked for the kernels must not silently measure the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fp4lab.analysis import attention as reference_attention
+from fp4lab.analysis.bias import GradientBias
+from fp4lab.analysis.bias import gradient_bias as _gradient_bias
 from fp4lab.recipes import AttentionRecipe, Trace
 
-__all__ = ["attention", "BACKENDS"]
+__all__ = ["attention", "gradient_bias", "BACKENDS"]
 
 BACKENDS = ("reference", "triton")
 
@@ -61,6 +65,18 @@ def attention(
     if backend == "triton":
         return _triton_attention()(q, k, v, recipe, **options)
     return reference_attention(q, k, v, recipe, **options)
+
+
+def gradient_bias(q, k, v, do, recipe, *, backend: str = "reference", **options) -> GradientBias:
+    """`fp4lab.analysis.gradient_bias` (its arguments and result) with the recipe's samples
+    run on `backend`: "reference" (the simulation) or "triton" (the kernels; their samples
+    stacked along the batch, `batch` at a time, each drawing as it would alone)."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+        )
+    attend = functools.partial(attention, backend=backend) if backend == "triton" else None
+    return _gradient_bias(q, k, v, do, recipe, attend=attend, **options)
 
 
 def _triton_attention():

@@ -49,6 +49,14 @@ and the result's `note` says so. Its differences from the exact gradient are the
 deterministic error, not a sampling effect.
 
 The result's `reference` and `note` say what the bias is measured against.
+
+Batches. On a GPU one sample is too small a call to fill it, so there the samples run
+`batch` at a time, stacked along the batch dimension with one generator each (`attention`'s
+list of generators): every sample draws exactly the bits it would draw alone, so the batched
+run gives the looped run's numbers (bit for bit on the CPU, where the tests compare them; on
+a GPU a larger matmul may sum in another order). `attend` runs another backend's attention
+(`fp4lab.gradient_bias(..., backend="triton")` passes the Triton kernels'); the CPU reference
+runs one sample a call, as it always did.
 """
 
 from __future__ import annotations
@@ -121,6 +129,8 @@ def gradient_bias(
     block_m: int | None = None,
     block_n: int | None = None,
     reference: str = "exact",
+    attend=None,
+    batch: int | None = None,
 ) -> GradientBias:
     """Mean gradient of `recipe` over `samples` stochastic-rounding draws against a reference
     gradient: per-tensor and per-tile bias, standard error and t-statistic, and the error of
@@ -135,6 +145,11 @@ def gradient_bias(
         causal, scale, block_m, block_n: as for `attention`.
         reference: "exact" (exact float64 attention) or "forward" (the exact gradient of the
             recipe's own quantized forward); see the module docstring.
+        attend: the attention function the recipe (and the "forward" reference) runs on,
+            with `fp4lab.attention`'s signature; None: the simulation path.
+        batch: samples per call, stacked along the batch (see the module docstring); None
+            chooses: one on the CPU with the simulation path, else as many as keep the
+            stacked q within 2^28 elements.
     """
     recipe = resolve_recipe(recipe)
     if reference not in REFERENCES:
@@ -145,20 +160,22 @@ def gradient_bias(
     n = _check_samples(samples, recipe)
     seeds = derive_seeds(seed, n)
     options = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)
-    refs = _references(q, k, v, do, recipe, reference, options)
+    per_call = _batch(batch, n, q, attend)
+    refs = _references(q, k, v, do, recipe, reference, options, attend)
     acc = {
         name: _Accumulator(
             q.shape[-2] if name == "dq" else k.shape[-2], block_m if name == "dq" else block_n
         )
         for name in GRADIENTS
     }
-    for i, s in enumerate(seeds, start=1):
-        generator = s if recipe.stochastic else None
-        grads = forward_backward(q, k, v, do, recipe, trace=None, generator=generator, **options)[
-            1:
-        ]
-        for name, g, r in zip(GRADIENTS, grads, refs(generator), strict=True):
-            acc[name].add(g, r, record=_is_checkpoint(i, n))
+    for start in range(0, n, per_call):
+        chunk = seeds[start : start + per_call]
+        generator = (list(chunk) if len(chunk) > 1 else chunk[0]) if recipe.stochastic else None
+        grads = _stacked(q, k, v, do, len(chunk), recipe, generator, options, attend)
+        for j in range(len(chunk)):
+            sample = [g[j] for g in grads]
+            for name, g, r in zip(GRADIENTS, sample, refs(generator, j), strict=True):
+                acc[name].add(g, r, record=_is_checkpoint(start + j + 1, n))
     return GradientBias(
         recipe=recipe.name,
         stochastic=recipe.stochastic,
@@ -176,23 +193,52 @@ def gradient_bias(
 REFERENCES = ("exact", "forward")
 
 
-def _references(q, k, v, do, recipe: AttentionRecipe, reference: str, options: dict):
-    """A function of a sample's generator giving the reference (dQ, dK, dV) of that sample:
-    fixed (computed once) unless the recipe's forward rounds stochastically."""
+def _batch(batch, n: int, q: torch.Tensor, attend) -> int:
+    """Samples per call: `batch`, or the default the module docstring gives."""
+    if batch is None:
+        if attend is None and q.device.type == "cpu":
+            return 1
+        return max(1, min(n, _STACK_ELEMENTS // max(q.numel(), 1)))
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"batch must be a positive int or None, got {batch!r}")
+    return min(batch, n)
+
+
+_STACK_ELEMENTS = 1 << 28  # the stacked q of one call, at most (batch's default)
+
+
+def _stacked(q, k, v, do, m: int, recipe, generator, options: dict, attend):
+    """(dQ, dK, dV) of m samples stacked along the batch, each split back: a list of m
+    (B, ...) gradients per tensor; one call to `forward_backward`."""
+    stack = (q, k, v, do)
+    if m > 1:
+        stack = [x.repeat(m, *([1] * (x.ndim - 1))) for x in stack]  # (m B, H, S, E)
+    grads = forward_backward(*stack, recipe, trace=None, generator=generator, attend=attend,
+                             **options)[1:]  # fmt: skip
+    return [list(g.chunk(m)) for g in grads]
+
+
+def _references(q, k, v, do, recipe: AttentionRecipe, reference: str, options: dict, attend):
+    """A function of a call's generator(s) and a sample's place j among them giving that
+    sample's reference (dQ, dK, dV): fixed (computed once) unless the recipe's forward rounds
+    stochastically, then computed per call (stacked as the call is) and kept for its samples."""
     if reference == "exact":
         fixed = exact_reference(q, k, v, do, **options)[1:]
-        return lambda generator: fixed
+        return lambda generator, j: fixed
     forward = recipe.with_exact_backward()
+    if not forward.stochastic:
+        fixed = [g[0] for g in _stacked(q, k, v, do, 1, forward, None, options, attend)]
+        return lambda generator, j: fixed
+    cache = {}
 
-    def run(generator):
-        return forward_backward(q, k, v, do, forward, trace=None, generator=generator, **options)[
-            1:
-        ]
+    def run(generator, j):
+        key = tuple(generator) if isinstance(generator, list) else (generator,)
+        if key not in cache:
+            cache.clear()
+            cache[key] = _stacked(q, k, v, do, len(key), forward, generator, options, attend)
+        return [g[j] for g in cache[key]]
 
-    if forward.stochastic:
-        return run
-    fixed = run(None)
-    return lambda generator: fixed
+    return run
 
 
 _TILE_COLUMNS = ["tensor", "batch", "head", "tile", "rel_bias", "se", "t", "p_value"]

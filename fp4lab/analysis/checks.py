@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fp4lab.formats import QuantSpec, as_generator
+from fp4lab.formats import QuantSpec
+from fp4lab.formats.streams import as_generators
 from fp4lab.recipes import OPERANDS, AttentionRecipe, Extent, RowReference
 
 __all__ = ["check_inputs", "check_tiling", "generator_for"]
@@ -111,7 +112,7 @@ def generator_for(recipe: AttentionRecipe, generator, dropout_p: float = 0.0):
     ok = isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool)
     if not ok or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    gen = as_generator(generator)
+    gen = as_generators(generator)
     if gen is None and (recipe.stochastic or dropout_p > 0):
         why = (
             f"recipe {recipe.name!r} rounds stochastically"

@@ -148,13 +148,15 @@ def exact_reference(q, k, v, do, **options) -> tuple[torch.Tensor, ...]:
 
 
 def forward_backward(
-    q, k, v, do, recipe, *, trace, generator, **options
+    q, k, v, do, recipe, *, trace, generator, attend=None, **options
 ) -> tuple[torch.Tensor, ...]:
     """One forward and backward of `recipe` (`attention`'s options) on detached copies of
-    the inputs: (O, dQ, dK, dV)."""
+    the inputs: (O, dQ, dK, dV). `attend`: the attention function to run (`attention`'s
+    signature; the simulation's when None)."""
+    attend = attention if attend is None else attend
     q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     with torch.enable_grad():
-        out = attention(q, k, v, recipe, trace=trace, generator=generator, **options)
+        out = attend(q, k, v, recipe, trace=trace, generator=generator, **options)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_outputs=do.to(out.dtype))
     return out.detach(), dq, dk, dv
 

@@ -600,7 +600,9 @@ def attention(
             from it and the backward another after it, so one seed reproduces forward and
             backward bit for bit; every element's draw then depends on its position only,
             not on the batch size, the number of heads or how fp4lab chunks the work
-            (`fp4lab.analysis.streams`).
+            (`fp4lab.analysis.streams`). A list of n generators or seeds runs n samples
+            stacked along the batch: generator i draws for the i-th of n equal consecutive
+            chunks of it exactly as a call on that chunk alone would.
         block_m, block_n: query and key tile sizes, FlashAttention's Br and Bc (positive;
             multiples of the blocks P and dS are quantized in along them); None takes the
             recipe's (the tiles of the kernel it models, `AttentionRecipe.block_m`), or 128.
@@ -634,6 +636,11 @@ def attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     gen = generator_for(recipe, generator, dropout_p)
+    if isinstance(gen, tuple) and q.shape[0] % len(gen):
+        raise ValueError(
+            f"generator: {len(gen)} generators (stacked samples) must split the batch of "
+            f"{q.shape[0]} into equal chunks"
+        )
     if q.shape[2] == 0:  # no queries: an empty output, still connected to the inputs' graph
         return q.new_zeros(*q.shape[:3], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
     q, k = _transform_qk(q, k, recipe)

@@ -52,11 +52,16 @@ def begin_trace(cfg, t: Tiling, q: torch.Tensor, v: torch.Tensor) -> TraceCall |
         "masked": cfg.attn_mask is not None,
         "dropout_p": cfg.dropout_p,
         "seed": cfg.seed,  # None unless an int seed was given (a Generator may have advanced)
-        "generator_initial_seed": cfg.generator.initial_seed()
-        if cfg.generator is not None
-        else None,
+        "generator_initial_seed": _initial_seeds(cfg.generator),
     }
     return cfg.trace.begin(cfg.recipe.name, (t.B, t.Hk, t.G, t.nQ, t.nK), meta)
+
+
+def _initial_seeds(generator):
+    """The generator's initial seed, a list of them for stacked samples' generators, or None."""
+    if isinstance(generator, tuple):
+        return [g.initial_seed() for g in generator]
+    return generator.initial_seed() if generator is not None else None
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:

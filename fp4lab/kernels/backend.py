@@ -14,6 +14,14 @@ forward_exact backwards), and P and dS inside its kernels. K smoothing runs outs
 Function, as in the simulation, so K's gradient takes the mean's Jacobian in torch. A call
 whose inputs require grad is checked for the backward too, before the forward runs.
 
+Stochastic rounding draws what the simulation draws (`fp4lab.formats.streams`): the forward
+takes one pass key from the call's generator and the backward another after it; a
+whole-tensor operand rounds with its stream's uniforms at every element's position, handed
+to the fused quantizer as `noise` (so its codes and scales are the simulation's bit for bit),
+and P and dS round in the kernels with the same streams' words made in registers. A list of
+generators runs samples stacked along the batch, each drawing as a call on it alone
+(`gradient_bias` batches so).
+
 What the kernels do not cover yet raises `NotImplementedError` naming it, before anything
 runs: the trace, masks other than causal, inputs other than bf16/fp16, dropout, the recipe
 mechanisms `fp4lab.kernels.flash` lists, and the backward's (`check_backward`: Hadamard
@@ -29,6 +37,7 @@ import os
 import torch
 
 from fp4lab.formats import FP8_E4M3FN, FP32, FloatFormat, QuantSpec, round_to_format
+from fp4lab.formats.streams import as_generators, pass_key, stream_keys, tensor_uniforms
 from fp4lab.recipes import (
     AttentionRecipe,
     BackwardMode,
@@ -42,6 +51,7 @@ from fp4lab.recipes import (
     RowSum,
     SmoothK,
     TensorScope,
+    operand,
     resolve_recipe,
 )
 
@@ -72,8 +82,6 @@ def check_recipe(recipe: AttentionRecipe) -> None:
     for name in ("smooth_q", "incoherent_processing"):
         if getattr(recipe, name):
             missing.append(name)
-    if recipe.stochastic:
-        missing.append("stochastic rounding")
     if recipe.block_axis("p") != -1:
         missing.append("p blocked along the queries (block_axes; the kernel blocks P along keys)")
     for field in ("q", "k", "v"):
@@ -119,9 +127,25 @@ def _check_call(q, k, v, trace, attn_mask) -> None:
         )
 
 
-def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int):
+def _noise(x: torch.Tensor, recipe: AttentionRecipe, field: str, key: int | None):
+    """The uniforms whole-tensor operand `field` (x: (B, heads, S, E)) rounds stochastically
+    with, as the simulation draws them (`fp4lab.formats.streams`, from the pass's key `key`);
+    None for a format that draws nothing."""
+    spec = getattr(recipe, field)
+    if not (isinstance(spec, QuantSpec) and spec.stochastic):
+        return None
+    if key is None:
+        raise ValueError(
+            f"key: operand {field!r} rounds stochastically ({spec.name}) and needs the pass's "
+            "key (fp4lab.formats.streams.pass_key)"
+        )
+    return tensor_uniforms(stream_keys(key, operand(field).stream), x.shape, x.device)
+
+
+def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, key=None):
     """(store, factor): the quantized operand as exact bf16 values and the fp32 factor per
-    (batch, head of x) they are multiplied by."""
+    (batch, head of x) they are multiplied by; a stochastic format rounds with the uniforms
+    of its stream under the pass's key `key` (`_noise`), as the simulation does."""
     spec = getattr(recipe, field)
     b, h = x.shape[:2]
     ones = torch.ones(b, h, dtype=torch.float32, device=x.device)
@@ -136,7 +160,10 @@ def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int):
     where = dict(axis=recipe.block_axis(field), batch_dims=2 if per_head else 0)
     if _one_pass(spec):  # codes times block scales in one fused pass
         return fake_quantize(view, spec, **where).reshape(x.shape).to(_store_dtype(x)), ones
-    qt = quantize(view, spec, **where)
+    noise = _noise(x, recipe, field, key)
+    if noise is not None:
+        noise = noise.reshape(view.shape)
+    qt = quantize(view, spec, noise=noise, **where)
     codes, scales = qt.element_values(), qt.expanded_scales()
     factor = ones
     if spec.scale_rule.alpha_grid:  # s = 2^E / M_e: keep 2^E, the 1/M_e goes to the factor
@@ -209,13 +236,14 @@ def smooth_k(k, recipe: AttentionRecipe):
     return k
 
 
-def quantize_operands(q, k, v, recipe: AttentionRecipe):
-    """(q, k, v, (qf, kf, vf)): the forward's Q^, K^, V^ as stored values and factors."""
+def quantize_operands(q, k, v, recipe: AttentionRecipe, key: int | None = None):
+    """(q, k, v, (qf, kf, vf)): the forward's Q^, K^, V^ as stored values and factors (`key`:
+    the forward's pass key, for stochastic formats)."""
     g = q.shape[1] // k.shape[1]
     (qs, qf), (ks, kf), (vs, vf) = (
-        _operand(q, recipe, "q", g),
-        _operand(k, recipe, "k", 1),
-        _operand(v, recipe, "v", 1),
+        _operand(q, recipe, "q", g, key),
+        _operand(k, recipe, "k", 1, key),
+        _operand(v, recipe, "v", 1, key),
     )
     return qs, ks, vs, (qf, kf, vf)
 
@@ -301,24 +329,26 @@ def backward_quantizers(recipe: AttentionRecipe):
     return dv_p, dq_ds, dk_ds
 
 
-def backward_operands(do, saved: dict, recipe: AttentionRecipe):
+def backward_operands(do, saved: dict, recipe: AttentionRecipe, keys=(None, None)):
     """The backward's whole-tensor operands quantized as the recipe says (`_operand`), from
     what the forward saved (`saved`: q, k (smoothed), v as given; the forward's stored Q^,
-    K^, V^ and their factors; its output o and lse; Attn-QAT's O' or None)."""
+    K^, V^ and their factors; its output o and lse; Attn-QAT's O' or None). `keys`: the
+    (forward, backward) pass keys of a stochastic recipe (`fp4lab.formats.streams`)."""
     from fp4lab.kernels.flash_bwd import BackwardOperands
 
     q, k, v = saved["q"], saved["k"], saved["v"]
     q_hat, k_hat, v_hat = saved["q_hat"], saved["k_hat"], saved["v_hat"]
     g = q.shape[1] // k.shape[1]
+    fwd_key, key = keys
     do = do.contiguous()
-    do_dv, do_dp = _operand(do, recipe, "dv_do", g), _operand(do, recipe, "dp_do", g)
+    do_dv, do_dp = _operand(do, recipe, "dv_do", g, key), _operand(do, recipe, "dp_do", g, key)
     if recipe.backward is BackwardMode.FLASH:
         if recipe.backward_v is BackwardV.FORWARD:  # V^ as the forward represented it
-            v_dp = v_hat if recipe.dp_v is None else _operand(_dequantized(v, recipe), recipe,
-                                                              "dp_v", 1)  # fmt: skip
+            v_dp = v_hat if recipe.dp_v is None else _operand(
+                _dequantized(v, recipe, fwd_key), recipe, "dp_v", 1, key)  # fmt: skip
         else:
-            v_dp = _operand(v, recipe, "dp_v", 1)
-        k_dq, q_dk = _operand(k, recipe, "dq_k", 1), _operand(q, recipe, "dk_q", g)
+            v_dp = _operand(v, recipe, "dp_v", 1, key)
+        k_dq, q_dk = _operand(k, recipe, "dq_k", 1, key), _operand(q, recipe, "dk_q", g, key)
     else:  # straight through the forward's quantizers: its Q^, K^, V^
         v_dp, k_dq, q_dk = v_hat, k_hat, q_hat
     if recipe.backward_p is BackwardP.QUANTIZED_QK:
@@ -344,8 +374,9 @@ def _plain(x: torch.Tensor):
     return x.to(_store_dtype(x)).contiguous(), ones
 
 
-def _dequantized(v: torch.Tensor, recipe: AttentionRecipe) -> torch.Tensor:
-    """The forward's V^ in float32, as the simulation holds it (`fake_quantize`'s bits)."""
+def _dequantized(v: torch.Tensor, recipe: AttentionRecipe, key: int | None) -> torch.Tensor:
+    """The forward's V^ in float32, as the simulation holds it (`fake_quantize`'s bits; `key`:
+    the forward's pass key, for a stochastic V)."""
     spec = recipe.v
     if spec is None:
         return v.float()
@@ -356,15 +387,19 @@ def _dequantized(v: torch.Tensor, recipe: AttentionRecipe) -> torch.Tensor:
     per_head = recipe.tensor_scope is TensorScope.HEAD
     where = dict(axis=recipe.block_axis("v"), batch_dims=2 if per_head else 0)
     view = v.float().unsqueeze(2) if per_head else v.float()  # (B, Hkv, 1, Sk, Dv) per head
-    return fake_quantize(view, spec, **where).reshape(v.shape)
+    noise = _noise(v, recipe, "v", key)
+    if noise is not None:
+        noise = noise.reshape(view.shape)
+    return fake_quantize(view, spec, noise=noise, **where).reshape(v.shape)
 
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, recipe, causal, scale, block_m, block_n):
+    def forward(ctx, q, k, v, recipe, causal, scale, block_m, block_n, generator):
         from fp4lab.kernels.flash import attention_forward
 
-        qs, ks, vs, factors = quantize_operands(q, k, v, recipe)
+        fwd_key = pass_key(generator) if recipe.stochastic else None  # as the simulation's
+        qs, ks, vs, factors = quantize_operands(q, k, v, recipe, fwd_key)
         vs_kernel = _key_major_fp8(vs) if _fp8_pv(recipe, block_n) else vs
         grads = any(ctx.needs_input_grad[:3])
         o_prime = m_ref = None  # Attn-QAT's O', for D; the row references, for the replay
@@ -376,14 +411,14 @@ class _TritonAttention(torch.autograd.Function):
         o, lse = attention_forward(
             qs, ks, vs_kernel, factors, p_quantizer(recipe), causal=causal,
             scale=scale, block_m=block_m, block_n=block_n, lse_log2=True, o_prime=o_prime,
-            m_ref=m_ref, **forward_options(recipe, causal, v),
+            m_ref=m_ref, sr_key=_stream(fwd_key, "p"), **forward_options(recipe, causal, v),
         )  # fmt: skip
         out = o.to(q.dtype)
         if grads:  # the outputs as returned (in q's dtype): D reads them so, as the simulation
             o_prime = out if o_prime is None else o_prime.to(q.dtype)
             m_ref = lse if m_ref is None else m_ref
             ctx.save_for_backward(q, k, v, qs, ks, vs, *factors, out, o_prime, lse, m_ref)
-            ctx.call = (recipe, causal, scale, block_m, block_n)
+            ctx.call = (recipe, causal, scale, block_m, block_n, generator, fwd_key)
         return out
 
     @staticmethod
@@ -392,19 +427,41 @@ class _TritonAttention(torch.autograd.Function):
         from fp4lab.kernels.flash_bwd import attention_backward
 
         q, k, v, qs, ks, vs, qf, kf, vf, out, o_prime, lse, m_ref = ctx.saved_tensors
-        recipe, causal, scale, block_m, block_n = ctx.call
+        recipe, causal, scale, block_m, block_n, generator, fwd_key = ctx.call
+        key = pass_key(generator) if recipe.stochastic else None  # after the forward's
         replay = recipe.backward is BackwardMode.FORWARD_EXACT
         saved = dict(
             q=q, k=k, v=v, q_hat=(qs, qf), k_hat=(ks, kf), v_hat=(vs, vf), o=out, lse=lse,
             o_prime=o_prime,
         )  # fmt: skip
         dq, dk, dv = attention_backward(
-            backward_operands(do, saved, recipe), *backward_quantizers(recipe), causal=causal,
+            backward_operands(do, saved, recipe, (fwd_key, key)), *backward_quantizers(recipe),
+            causal=causal, sr_keys=backward_stream_keys(recipe, fwd_key, key),
             scale=scale, block_m=block_m, block_n=block_n, ds_from_dv=recipe.ds_p is DsP.DV_OPERAND,
             m_ref=m_ref if replay else None,
             leakage_block=recipe.leakage_block if replay and recipe.leakage_fix and causal else 0,
         )  # fmt: skip
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def _stream(key: int | None, field: str) -> int | None:
+    """The stream key of operand `field` under a pass key, or a tuple of them under stacked
+    samples' keys (None without one)."""
+    return None if key is None else stream_keys(key, operand(field).stream)
+
+
+def backward_stream_keys(recipe: AttentionRecipe, fwd_key: int | None, key: int | None):
+    """The stream keys of the in-register quantizers (P in dV, dS in dQ, dS in dK), as the
+    simulation draws them: P in dV from the backward's dv_p stream, or its p stream
+    (straight through: the forward's quantizer in the backward's pass), or the forward's p
+    stream (forward_exact replays the forward's own P^)."""
+    if recipe.backward is BackwardMode.FORWARD_EXACT:
+        dv = _stream(fwd_key, "p")
+    elif recipe.backward is BackwardMode.STRAIGHT_THROUGH:
+        dv = _stream(key, "p")
+    else:
+        dv = _stream(key, "dv_p")
+    return dv, _stream(key, "dq_ds"), _stream(key, "dk_ds")
 
 
 def attention(
@@ -428,9 +485,20 @@ def attention(
     if dropout_p:
         raise NotImplementedError("dropout_p: the Triton kernels have no dropout yet")
     check_recipe(recipe)
+    gen = as_generators(generator)
+    if gen is None and recipe.stochastic:
+        raise ValueError(
+            f"generator: recipe {recipe.name!r} rounds stochastically; pass a torch.Generator "
+            "or an int seed (fp4lab never draws from torch's global random state)"
+        )
+    if isinstance(gen, tuple) and q.shape[0] % len(gen):
+        raise ValueError(
+            f"generator: {len(gen)} generators (stacked samples) must split the batch of "
+            f"{q.shape[0]} into equal chunks"
+        )
     block_m, block_n = recipe.tiles(block_m, block_n)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         check_backward(recipe, block_m, block_n)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     k = smooth_k(k, recipe)
-    return _TritonAttention.apply(q, k, v, recipe, bool(causal), scale, block_m, block_n)
+    return _TritonAttention.apply(q, k, v, recipe, bool(causal), scale, block_m, block_n, gen)

@@ -38,9 +38,21 @@ difference), fill Attn-QAT's second output O' (the unquantized P's) and save the
 reference each key tile used (for a backward that replays the forward's own P^); none of
 these changes O or the natural-units lse.
 
+Stochastic rounding of P (a block format with rounding=stochastic; its scales round to
+nearest, as the reference's). The random bits are the simulation's: Philox4x32-10 words of
+P's stream (`fp4lab.formats.streams`: keyed by the forward's pass key and P's stream id)
+at each element's (batch, query head, query, key) position, made in registers per tile
+(`fp4lab.kernels.random.tile_words`, one counter for four keys) and compared with the
+fraction of |x| / quantum exactly as the reference compares its uniform (`_round_stochastic`).
+So a tile gives the simulation's P^ bit for bit from the same P; inside attention P itself
+comes from fp32 sums in another order, and an element whose uniform lies within that
+difference of its fraction rounds the other way, as an element next to a midpoint does under
+rounding to nearest. The keys reach the kernel as a table, one per chunk of the batch
+(`sr_key_table`), so samples stacked along the batch each draw as alone.
+
 What is not here yet (asking for it raises, never falls back): the trace, two-level P,
-Direct-P's affine code map, P blocked along the queries, stochastic rounding of P and
-attn_mask.
+Direct-P's affine code map and stochastic codes, P blocked along the queries, MS-EDEN's
+stochastic scales, sr_bits above 32 (the words have 32 bits) and attn_mask.
 """
 
 from __future__ import annotations
@@ -52,7 +64,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.formats import FloatFormat, QuantSpec, ScaleArithmetic, ScaleRule
+from fp4lab.formats import Correction, FloatFormat, QuantSpec, Rounding, ScaleArithmetic, ScaleRule
+from fp4lab.formats.philox import split_key
+from fp4lab.kernels.random import tile_words
 
 __all__ = ["attention_forward", "PQuantizer"]
 
@@ -76,10 +90,40 @@ def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: 
     quantum and back are exact (powers of two). x / quantum < 2^(mbits + 1) unless x lies
     above the format's top binade, where any result of at least 2^22 quanta saturates: so
     _rint's magic number needs no range check."""
+    quantum, inverse = _quantum(x, Q_LO, Q_HI, UNIT)
+    return tl.minimum(_rint(x * inverse) * quantum, MAXV)
+
+
+@triton.jit
+def _quantum(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr):
+    """(quantum, 1 / quantum) of fp32 x >= 0 on a float format's grid: x's binade 2^e (from
+    its exponent bits) clamped to [Q_LO, Q_HI] times UNIT, both powers of two."""
     binade = (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     quantum = tl.minimum(tl.maximum(binade, Q_LO), Q_HI) * UNIT
     inverse = (0x7F000000 - quantum.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-    return tl.minimum(_rint(x * inverse) * quantum, MAXV)
+    return quantum, inverse
+
+
+@triton.jit
+def _round_stochastic(
+    x, words, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: tl.constexpr,
+    SR_BITS: tl.constexpr,
+):  # fmt: skip
+    """x (fp32, >= 0) rounded stochastically on a float format's grid by the uint32 `words`
+    (the uniforms u = words 2^-32 of `fp4lab.formats.streams`), saturating at MAXV: the
+    reference's `_stochastic_magnitude`. y = x / quantum is exact and rounds up where
+    u < frac(y), that is where words < ceil(frac 2^32) (frac 2^32 is exact in fp32 and at
+    most 2^32 - 2^8); with SR_BITS = r > 0 random bits, where words >> (32 - r) <
+    floor(frac 2^r), the reference's floor(u 2^r) < floor(frac 2^r)."""
+    quantum, inverse = _quantum(x, Q_LO, Q_HI, UNIT)
+    y = x * inverse
+    low = tl.floor(y)
+    frac = y - low  # exact
+    if SR_BITS == 0:
+        up = words < tl.ceil(frac * 4294967296.0).to(tl.uint32)
+    else:
+        up = (words >> (32 - SR_BITS)) < tl.floor(frac * (2.0**SR_BITS)).to(tl.uint32)
+    return tl.minimum((low + up.to(tl.float32)) * quantum, MAXV)
 
 
 @triton.jit
@@ -99,6 +143,8 @@ class PQuantizer:
     format; BLOCK: keys per block; RULE: 0 amax / M_e rounded (NEAREST), 1 OCP's floor power
     of two, 2-5 the alpha rules CEIL, MSE, HALF, RTE, 6 RCEIL (E8M0), 7 CEIL; ARITH: 0 EXACT,
     1 TE_ENCODE, 2 RECIPROCAL, 3 DIVIDE_UNROUNDED; TENSOR: a per-tile tensor scale (TE_ENCODE's).
+    SR: the elements round stochastically (block formats only; the scales stay nearest),
+    with SR_BITS random bits (0: the whole 32-bit word, the reference's sr_bits=None).
     """
 
     MODE: int
@@ -111,6 +157,8 @@ class PQuantizer:
     ARITH: int = 0
     TENSOR: bool = False
     EMAX_E: int = 0  # the element format's largest exponent (OCP's floor rule)
+    SR: bool = False
+    SR_BITS: int = 0
 
     @classmethod
     def of(cls, spec, lift: float, field: str = "p") -> PQuantizer:
@@ -128,8 +176,8 @@ class PQuantizer:
                         math.floor(math.log2(spec.scale.max))),
             BLOCK=spec.block[0], RULE=_RULES[spec.scale_rule], ARITH=_ARITHMETICS[spec.arithmetic],
             TENSOR=spec.tensor_scale, EMAX_E=spec.element.emax,
+            SR=spec.rounding is Rounding.STOCHASTIC, SR_BITS=spec.sr_bits or 0,
         )  # fmt: skip
-
 
     @classmethod
     def direct(cls, spec, p_min_exponent: int | None) -> PQuantizer:
@@ -153,6 +201,11 @@ def check_direct_p(spec) -> None:
     if not isinstance(spec, QuantSpec) or not spec.scale_rule.alpha_grid:
         raise NotImplementedError(
             f"p: Direct-P in the Triton kernel takes an alpha-grid block format, got {spec!r}"
+        )
+    if spec.stochastic:
+        raise NotImplementedError(
+            f"p: Direct-P in the Triton kernel rounds its codes to nearest; {spec.name!r} "
+            "rounds stochastically; use backend='reference'"
         )
     if spec.block is None or len(spec.block) != 1 or spec.block[0] not in (16, 32):
         raise NotImplementedError(
@@ -204,8 +257,12 @@ def check_p(spec, lift: float, *, field: str = "p") -> None:
         problems.append(f"arithmetic {spec.arithmetic.value}")
     if spec.tensor_scale and spec.arithmetic is not ScaleArithmetic.TE_ENCODE:
         problems.append("a tensor scale with an arithmetic other than te_encode")
-    if spec.stochastic or spec.hadamard or spec.scale_floor or spec.fixed_scale is not None:
-        problems.append("stochastic rounding, a Hadamard transform, a scale floor or a fixed scale")
+    if spec.correction is not Correction.NONE:
+        problems.append(f"correction={spec.correction.value} (MS-EDEN's stochastic scales)")
+    if spec.sr_bits is not None and spec.sr_bits > 32:
+        problems.append(f"sr_bits={spec.sr_bits} (the kernel's random words have 32 bits)")
+    if spec.hadamard or spec.scale_floor or spec.fixed_scale is not None:
+        problems.append("a Hadamard transform, a scale floor or a fixed scale")
     if problems:
         what = "P" if field == "p" else field
         raise NotImplementedError(
@@ -342,6 +399,7 @@ def _block_scales(
 @triton.jit
 def _quantize_p(
     p,
+    words,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MODE: tl.constexpr,
@@ -361,10 +419,14 @@ def _quantize_p(
     ARITH: tl.constexpr,
     TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr,
+    SR: tl.constexpr = False,
+    SR_BITS: tl.constexpr = 0,
 ):
     """P^ of a (BLOCK_M, BLOCK_N) tile as (values, tile factor): values are bf16-exact (codes
     times block scales, the lift kept), the tile factor (the tensor decode scale over the
-    lift, and 1/M_e for an alpha grid) multiplies the tile's products."""
+    lift, and 1/M_e for an alpha grid) multiplies the tile's products. SR: the elements round
+    stochastically by `words` (uint32, the tile's shape; `tile_words`), else `words` is
+    unused."""
     x = p * LIFT
     if MODE == 0:
         return x, 1.0 / LIFT
@@ -401,7 +463,11 @@ def _quantize_p(
             scaled = blocks * factor[:, :, None]
     else:
         scaled = blocks * factor[:, :, None]
-    codes = _round(scaled, EQ_LO, EQ_HI, E_UNIT, E_MAX)
+    if SR:
+        block_words = tl.reshape(words, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
+        codes = _round_stochastic(scaled, block_words, EQ_LO, EQ_HI, E_UNIT, E_MAX, SR_BITS)
+    else:
+        codes = _round(scaled, EQ_LO, EQ_HI, E_UNIT, E_MAX)
     values = tl.reshape(codes * store[:, :, None], (BLOCK_M, BLOCK_N))
     tile_factor = decode / LIFT
     if RULE >= 2 and RULE <= 5:  # an alpha grid
@@ -453,7 +519,7 @@ def _direct_p(
 def _fwd_inner(
     acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
     qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
-    first, count,
+    first, count, sr_k0, sr_k1, batch, head,
     MASKED: tl.constexpr, SAVE_M: tl.constexpr, LEAK: tl.constexpr, REVERSE: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FIXED: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
@@ -462,7 +528,7 @@ def _fwd_inner(
     E_UNIT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
-    EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr,
+    EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, SR: tl.constexpr, SR_BITS: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, up (or down, REVERSE): the
     loop runs over a counter, since a loop's step must be positive on the GPU. MASKED
@@ -471,7 +537,9 @@ def _fwd_inner(
     where query and key share a block of LEAK positions, P and V enter unquantized (V from
     vp_base, its product divided by V's factor, which the output takes at the end). PRIME:
     also Attn-QAT's O' (acc_p, l_p): the unquantized P times V^, over the sum of that P.
-    SAVE_M: each tile's row reference into mref_base (row-major, n_k tiles a row)."""
+    SAVE_M: each tile's row reference into mref_base (row-major, n_k tiles a row). SR: P
+    rounds stochastically with the words of its stream (key sr_k0, sr_k1) at each element's
+    (batch, query head, query, key) position."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -520,9 +588,12 @@ def _fwd_inner(
                 p = tl.exp2(z)
         else:
             p = tl.exp2(z)
+            words = 0
+            if SR:  # stochastic rounding's words by position (`fp4lab.formats.streams`)
+                words = tile_words(sr_k0, sr_k1, batch, head, offs_m, start_n, BLOCK_M, BLOCK_N)
             p_hat, factor = _quantize_p(
-                p, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
-                S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+                p, words, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
+                SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, SR, SR_BITS,
             )
         if MASKED and LEAK > 0:  # the leakage fix: the diagonal blocks' P leaves P^
             diagonal = (offs_m[:, None] // LEAK) == (offs_n[None, :] // LEAK)
@@ -593,7 +664,7 @@ def _attn_fwd(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_pb, stride_ph, stride_pn, stride_pd,
     stride_ob, stride_oh, stride_om,
-    H, G, Sq, Sk, anchor_log2,
+    H, G, Sq, Sk, anchor_log2, SRKeys, sr_batch,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, REVERSE: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
     ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr,
@@ -606,10 +677,13 @@ def _attn_fwd(
     # the row reference: 0 the running (or lazy) maximum, 1 fp4-fa4's anchor, 2 zero
     REF: tl.constexpr, FIXED: tl.constexpr, ANCHOR_KEYS: tl.constexpr, LEAK: tl.constexpr,
     LSE_LOG2: tl.constexpr, PRIME: tl.constexpr, SAVE_M: tl.constexpr,
+    SR: tl.constexpr, SR_BITS: tl.constexpr,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
     units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
-    (laid out as Out); with SAVE_M each key tile's row reference into MRef (B, H, Sq, n tiles).
+    (laid out as Out); with SAVE_M each key tile's row reference into MRef (B, H, Sq, n tiles);
+    with SR, P rounds stochastically by its stream's key words (`sr_key_table`: int32 pairs,
+    one per sr_batch consecutive batch elements, which count their batch from 0).
 
     Its key tiles split in two ranges, in the recipe's order: the first n_free tiles hold only
     visible keys of full query rows (no masks), the rest (the diagonal band when causal, a
@@ -618,6 +692,7 @@ def _attn_fwd(
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     hk = h // G
+    sr_k0, sr_k1, sr_b = _stream_words(SRKeys, b, sr_batch, 0, 1)
     # the operands' factors outside their bf16 values (tensor scales, alpha grids' 1/M_e)
     qk_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + b * (H // G) + hk)
     out_factor = tl.load(VF + b * (H // G) + hk)
@@ -670,18 +745,20 @@ def _attn_fwd(
     acc, l_i, m_i, acc_p, l_p = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
         qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
-        first1, count1, REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
+        first1, count1, sr_k0, sr_k1, sr_b, h,
+        REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
-        EMAX_E, LOG2_ME,
+        EMAX_E, LOG2_ME, SR, SR_BITS,
     )
     acc, l_i, m_i, acc_p, l_p = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
         qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
-        first2, count2, not REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
+        first2, count2, sr_k0, sr_k1, sr_b, h,
+        not REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
-        EMAX_E, LOG2_ME,
+        EMAX_E, LOG2_ME, SR, SR_BITS,
     )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
@@ -700,6 +777,49 @@ def _attn_fwd(
 
 
 _REFERENCES = {"running": 0, "anchor": 1, "zero": 2}
+
+
+def sr_key_words(key: int | None, stochastic: bool, name: str) -> tuple[int, int]:
+    """A stream key (`fp4lab.formats.streams.stream_key`) as Philox's two key words, their
+    bits as signed int32s; (0, 0) where nothing is stochastic."""
+    if not stochastic:
+        return 0, 0
+    if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < 1 << 64:
+        raise ValueError(
+            f"{name}: the operand rounds stochastically and needs its stream's 64-bit key "
+            f"(fp4lab.formats.streams.stream_key), got {key!r}"
+        )
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in split_key(key))
+
+
+def sr_key_table(keys: tuple, stochastic: tuple, names: tuple, batch: int, device):
+    """(table, batch per key) of the stream keys of m operands for a kernel: `keys[j]` is one
+    64-bit key, or a sequence of n keys, one per consecutive batch / n batch elements (samples
+    stacked along the batch, each drawing as its own call would), or None where operand j
+    does not round stochastically (`stochastic[j]` False). The table is int32 (n, m, 2)."""
+    n = max((len(k) for k in keys if isinstance(k, (tuple, list))), default=1)
+    if batch % n:
+        raise ValueError(f"sr keys: {n} keys per stream do not split a batch of {batch} evenly")
+    rows = []
+    for i in range(n):
+        row = []
+        for key, random, name in zip(keys, stochastic, names, strict=True):
+            each = key if isinstance(key, (tuple, list)) else [key] * n
+            if len(each) != n:
+                raise ValueError(f"{name}: {len(each)} keys, where another stream has {n}")
+            row.append(sr_key_words(each[i], random, name))
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int32, device=device), batch // n
+
+
+@triton.jit
+def _stream_words(SRKeys, b, sr_batch, j, M: tl.constexpr):
+    """(k0, k1, batch) of stream j (of M) for batch element b: the key words (uint32) of its
+    chunk of sr_batch elements in `sr_key_table`'s table, and its batch index in the chunk."""
+    chunk = b // sr_batch
+    k0 = tl.load(SRKeys + (chunk * M + j) * 2).to(tl.uint32)
+    k1 = tl.load(SRKeys + (chunk * M + j) * 2 + 1).to(tl.uint32)
+    return k0, k1, b % sr_batch
 
 
 # -- the launcher ----------------------------------------------------------------------------------
@@ -725,6 +845,7 @@ def attention_forward(
     lse_log2: bool = False,
     o_prime: torch.Tensor | None = None,
     m_ref: torch.Tensor | None = None,
+    sr_key=None,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
@@ -740,7 +861,11 @@ def attention_forward(
     shaped and laid out as the output, filled with Attn-QAT's O' = (P V^) / rowsum(P) of the
     unquantized P (`DeltaSource.UNQUANTIZED_P_OUTPUT`), or None. `m_ref`: a contiguous fp32
     (B, H, Sq, cdiv(Sk, block_n)) tensor filled with the row reference each key tile's P took
-    (log2 units; tiles a row does not visit are left as they were), or None."""
+    (log2 units; tiles a row does not visit are left as they were), or None. `sr_key`: the
+    64-bit key of P's random stream (`fp4lab.formats.streams.stream_key`), required when
+    `pq` rounds stochastically: element (b, h, query, key) of P takes the stream's word at
+    that position, as the simulation draws it; or a sequence of n keys, one per consecutive
+    B / n batch elements, which then count their batch from 0 (`sr_key_table`)."""
     if reference not in _REFERENCES:
         raise ValueError(f"reference must be one of {', '.join(_REFERENCES)}; got {reference!r}")
     if reference == "anchor" and not 0 < anchor_keys <= block_n:
@@ -756,6 +881,7 @@ def attention_forward(
         )
     v_plain = v if v_plain is None else v_plain
     B, H, Sq, D = q.shape
+    sr_table = sr_key_table((sr_key,), (pq.SR,), ("sr_key",), B, q.device)
     Hk, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     o = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)  # bf16 (fp32 interpreted)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -777,7 +903,7 @@ def attention_forward(
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), *v_plain.stride(),
         o.stride(0), o.stride(1), o.stride(2),
-        H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E,
+        H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E, *sr_table,
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, REVERSE=reverse,
         LAZY=lazy_log2 is not None, LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized,
         PV_FP8=v.dtype == torch.float8_e4m3fn,
@@ -787,7 +913,7 @@ def attention_forward(
         RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
         LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
         ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=o_prime is not None,
-        SAVE_M=m_ref is not None,
+        SAVE_M=m_ref is not None, SR=pq.SR, SR_BITS=pq.SR_BITS,
         num_warps=num_warps,
         num_stages=num_stages,
         enable_fp_fusion=FP_FUSION,

@@ -52,9 +52,17 @@ forward's own P^ tiles, replayed in the dK/dV kernel from the row reference each
 the forward used (the forward saves them: `attention_forward`'s m_ref) with the forward's P
 quantizer, along the keys.
 
+Stochastic rounding. P for dV and dS for dQ and dK round stochastically as the forward's P
+does (`fp4lab.kernels.flash`): each from its own stream (dv_p, dq_ds, dk_ds; the
+straight-through P from the backward pass's P stream, the replayed P^ from the forward's),
+the words made in registers at each element's (batch, query head, query, key) position and
+transposed with the tile in the dK/dV kernel; the dQ kernel's P^ for dS = P^ (dP - D) takes
+the very words the dK/dV kernel's does, so both quantize the same P^. dS rounds on its
+magnitude, as the reference rounds |x| and restores the sign.
+
 What is not here (each refused by `fp4lab.kernels.backend.check_backward` before anything
-runs): stochastic rounding, Hadamard transforms and 2-D blocks, fixed scales on P or dS,
-dropout and the trace.
+runs): Hadamard transforms (so MS-EDEN) and 2-D blocks, fixed scales on P or dS, stochastic
+rounding of a per-tile FP32 scale format, dropout and the trace.
 """
 
 from __future__ import annotations
@@ -75,9 +83,12 @@ from fp4lab.kernels.flash import (
     _grid,
     _quantize_p,
     _round,
+    _stream_words,
     check_p,
+    sr_key_table,
 )
 from fp4lab.kernels.quantize import _bfloat16_round
+from fp4lab.kernels.random import tile_words
 
 __all__ = ["attention_backward", "BackwardOperands", "TileQuantizer"]
 
@@ -131,6 +142,7 @@ class TileQuantizer:
             S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
             RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
             LOG2_ME=math.log2(pq.ELEM[3]), TRANS=self.along_keys != keys_last, SPLIT=self.split,
+            SR=pq.SR, SR_BITS=pq.SR_BITS,
         )  # fmt: skip
         return {f"{prefix}_{name}": value for name, value in values.items()}
 
@@ -189,17 +201,20 @@ def _dot(a, b, SPLIT: tl.constexpr):
 
 @triton.jit
 def _quantize_tile(
-    x, z, ROWS: tl.constexpr, COLS: tl.constexpr, SIGNED: tl.constexpr,
+    x, z, words, ROWS: tl.constexpr, COLS: tl.constexpr, SIGNED: tl.constexpr,
     MODE: tl.constexpr, LIFT: tl.constexpr, EQ_LO: tl.constexpr, EQ_HI: tl.constexpr,
     E_UNIT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, TRANS: tl.constexpr,
+    SR: tl.constexpr = False, SR_BITS: tl.constexpr = 0,
 ):  # fmt: skip
     """(values, tile factor) of a (ROWS, COLS) tile x as `TileQuantizer` says, blocked along
     its last axis (TRANS: its first): values bf16-exact, the dequantized tile values * factor.
     SIGNED: x may be negative (dS; the magnitude is quantized, the sign kept, as rounding to
-    nearest even is symmetric). z: log2 of x, read by Direct-P (MODE 3) only."""
+    nearest even is symmetric). z: log2 of x, read by Direct-P (MODE 3) only. SR: block
+    elements round stochastically by `words` (uint32, x's layout: `_words`), on the magnitude,
+    as the reference rounds |x| and gives it x's sign."""
     if MODE == 0:
         return x, 1.0
     mag = x
@@ -224,19 +239,36 @@ def _quantize_tile(
         values = tl.minimum(_bfloat16_round(mag * LIFT), E_MAX)
         factor = 1.0 / LIFT
     elif TRANS:
+        words_t = words
+        if SR:
+            words_t = tl.trans(words)
         values, factor = _quantize_p(
-            tl.trans(mag), COLS, ROWS, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
-            S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+            tl.trans(mag), words_t, COLS, ROWS, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
+            SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, SR, SR_BITS,
         )  # fmt: skip
         values = tl.trans(values)
     else:
         values, factor = _quantize_p(
-            mag, ROWS, COLS, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
-            S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
+            mag, words, ROWS, COLS, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
+            S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, SR, SR_BITS,
         )  # fmt: skip
     if SIGNED:
         values = tl.where(x < 0.0, -values, values)
     return values, factor
+
+
+@triton.jit
+def _words(k0, k1, batch, head, offs_m, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           SR: tl.constexpr, KEYS_FIRST: tl.constexpr):  # fmt: skip
+    """Stochastic rounding's words of a tile of P or dS (queries offs_m, keys from n0) from
+    the stream keyed (k0, k1), held (queries, keys), or (keys, queries) with KEYS_FIRST (the
+    dK/dV kernel's layout); 0 where the operand does not round stochastically."""
+    words = 0
+    if SR:
+        words = tile_words(k0, k1, batch, head, offs_m, n0, BLOCK_M, BLOCK_N)
+        if KEYS_FIRST:
+            words = tl.trans(words)
+    return words
 
 
 # -- the preprocess: D = rowsum(dO * O) -------------------------------------------------------
@@ -262,6 +294,7 @@ def _bwd_preprocess(Out, DO, DOF, Delta, Sq, V_DIM: tl.constexpr, BLOCK_M: tl.co
 def _dkdv_inner(
     dk, dv, k, v, q_base, qd_base, dov_base, dop_base, lse_base, delta_base, mref_base, n_k,
     key_tile, offs_n, cols, qk_scale, f_dov, f_dp, f_q, Sq, first, count,
+    sr_dv0, sr_dv1, sr_dk0, sr_dk1, batch, head,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
     REPLAY: tl.constexpr, LEAK: tl.constexpr,
@@ -271,12 +304,14 @@ def _dkdv_inner(
     DV_E_LO: tl.constexpr, DV_E_HI: tl.constexpr, DV_QBLOCK: tl.constexpr, DV_RULE: tl.constexpr,
     DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
     DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SPLIT: tl.constexpr,
+    DV_SR: tl.constexpr, DV_SR_BITS: tl.constexpr,
     DK_MODE: tl.constexpr, DK_LIFT: tl.constexpr, DK_EQ_LO: tl.constexpr, DK_EQ_HI: tl.constexpr,
     DK_E_UNIT: tl.constexpr, DK_E_MAX: tl.constexpr, DK_SQ_LO: tl.constexpr,
     DK_SQ_HI: tl.constexpr, DK_S_UNIT: tl.constexpr, DK_S_MAX: tl.constexpr,
     DK_E_LO: tl.constexpr, DK_E_HI: tl.constexpr, DK_QBLOCK: tl.constexpr, DK_RULE: tl.constexpr,
     DK_ARITH: tl.constexpr, DK_TENSOR: tl.constexpr, DK_EMAX_E: tl.constexpr,
     DK_LOG2_ME: tl.constexpr, DK_TRANS: tl.constexpr, DK_SPLIT: tl.constexpr,
+    DK_SR: tl.constexpr, DK_SR_BITS: tl.constexpr,
 ):
     """`count` query tiles of one query head from query tile `first` against one key tile,
     tiles held (keys, queries). MASKED tiles may hold rows past Sq, keys past Sk or (causal)
@@ -284,7 +319,9 @@ def _dkdv_inner(
     (backward=forward_exact): dV's P is the forward's own P^, rebuilt against the row
     reference the forward saved for this key tile (mref_base, n_k tiles a row), its diagonal
     blocks unquantized where the forward's leakage fix (LEAK) left them so, normalized by
-    exp2(m_j - lse)."""
+    exp2(m_j - lse). DV_SR, DK_SR: P for dV and dS for dK round stochastically by the words of
+    their streams (keys sr_dv*, sr_dk*) at each element's (batch, query head `head`, query,
+    key) position."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -319,12 +356,15 @@ def _dkdv_inner(
                 zf = tl.where(keep, zf, -float("inf"))
         pt = tl.exp2(zt)
         # -- dV += P^^T dO --
+        words_dv = _words(sr_dv0, sr_dv1, batch, head, offs_m, key_tile * BLOCK_N, BLOCK_M,
+                          BLOCK_N, DV_SR, True)  # fmt: skip
         if REPLAY:
             pf = tl.exp2(zf)
             p_hat, f_hat = _quantize_tile(
-                pf, zf, BLOCK_N, BLOCK_M, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI,
+                pf, zf, words_dv, BLOCK_N, BLOCK_M, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI,
                 DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI,
-                DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS,
+                DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SR,
+                DV_SR_BITS,
             )
             p_dv = p_hat * f_hat
             if LEAK > 0:
@@ -336,9 +376,10 @@ def _dkdv_inner(
             f_dv = 1.0
         else:
             p_dv, f_dv = _quantize_tile(
-                pt, zt, BLOCK_N, BLOCK_M, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI,
+                pt, zt, words_dv, BLOCK_N, BLOCK_M, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI,
                 DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI,
-                DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS,
+                DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SR,
+                DV_SR_BITS,
             )
         if MASKED:
             do_v = tl.load(dov_ptrs, mask=rows[:, None], other=0.0)  # (BLOCK_M, V_DIM)
@@ -356,10 +397,13 @@ def _dkdv_inner(
         else:
             dst = (dpt - delta[None, :]) * pt
         # -- dK += dS^^T Q --
+        words_dk = _words(sr_dk0, sr_dk1, batch, head, offs_m, key_tile * BLOCK_N, BLOCK_M,
+                          BLOCK_N, DK_SR, True)  # fmt: skip
         ds_k, f_k = _quantize_tile(
-            dst, dst, BLOCK_N, BLOCK_M, True, DK_MODE, DK_LIFT, DK_EQ_LO, DK_EQ_HI, DK_E_UNIT,
-            DK_E_MAX, DK_SQ_LO, DK_SQ_HI, DK_S_UNIT, DK_S_MAX, DK_E_LO, DK_E_HI, DK_QBLOCK,
-            DK_RULE, DK_ARITH, DK_TENSOR, DK_EMAX_E, DK_LOG2_ME, DK_TRANS,
+            dst, dst, words_dk, BLOCK_N, BLOCK_M, True, DK_MODE, DK_LIFT, DK_EQ_LO, DK_EQ_HI,
+            DK_E_UNIT, DK_E_MAX, DK_SQ_LO, DK_SQ_HI, DK_S_UNIT, DK_S_MAX, DK_E_LO, DK_E_HI,
+            DK_QBLOCK, DK_RULE, DK_ARITH, DK_TENSOR, DK_EMAX_E, DK_LOG2_ME, DK_TRANS, DK_SR,
+            DK_SR_BITS,
         )
         if MASKED:
             qd = tl.load(qd_ptrs, mask=rows[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM)
@@ -372,7 +416,7 @@ def _dkdv_inner(
 @triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, QD, DOV, DOP, LSE, DELTA, MRef, DK, DV, QF, KF, DOVF, DOPF, VF, QDF, qk_scale,
-    scale, H, G, Sq, Sk,
+    scale, H, G, Sq, Sk, SRKeys, sr_batch,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr, REPLAY: tl.constexpr, LEAK: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
@@ -381,12 +425,14 @@ def _attn_bwd_dkdv(
     DV_E_LO: tl.constexpr, DV_E_HI: tl.constexpr, DV_QBLOCK: tl.constexpr, DV_RULE: tl.constexpr,
     DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
     DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SPLIT: tl.constexpr,
+    DV_SR: tl.constexpr, DV_SR_BITS: tl.constexpr,
     DK_MODE: tl.constexpr, DK_LIFT: tl.constexpr, DK_EQ_LO: tl.constexpr, DK_EQ_HI: tl.constexpr,
     DK_E_UNIT: tl.constexpr, DK_E_MAX: tl.constexpr, DK_SQ_LO: tl.constexpr,
     DK_SQ_HI: tl.constexpr, DK_S_UNIT: tl.constexpr, DK_S_MAX: tl.constexpr,
     DK_E_LO: tl.constexpr, DK_E_HI: tl.constexpr, DK_QBLOCK: tl.constexpr, DK_RULE: tl.constexpr,
     DK_ARITH: tl.constexpr, DK_TENSOR: tl.constexpr, DK_EMAX_E: tl.constexpr,
     DK_LOG2_ME: tl.constexpr, DK_TRANS: tl.constexpr, DK_SPLIT: tl.constexpr,
+    DK_SR: tl.constexpr, DK_SR_BITS: tl.constexpr,
 ):
     """dK and dV of one key tile of one (batch, KV head), summed over the G query heads of its
     group and the query tiles that see it.
@@ -399,6 +445,8 @@ def _attn_bwd_dkdv(
     bhk = tl.program_id(1)
     Hk = H // G
     b, hk = bhk // Hk, bhk % Hk
+    sr_dv0, sr_dv1, sr_b = _stream_words(SRKeys, b, sr_batch, 0, 3)
+    sr_dk0, sr_dk1, _ = _stream_words(SRKeys, b, sr_batch, 2, 3)
     n0 = start_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -446,14 +494,14 @@ def _attn_bwd_dkdv(
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, qd_base, dov_base, dop_base, LSE + q_row0, DELTA + q_row0,
                 MRef + q_row0 * n_k, n_k, start_n, offs_n, cols, s_h, f_dov, f_dp, f_q, Sq,
-                first, count, r != 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV,
-                REPLAY, LEAK,
+                first, count, sr_dv0, sr_dv1, sr_dk0, sr_dk1, sr_b, hk * G + g,
+                r != 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV, REPLAY, LEAK,
                 DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
                 DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
-                DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SPLIT,
+                DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SPLIT, DV_SR, DV_SR_BITS,
                 DK_MODE, DK_LIFT, DK_EQ_LO, DK_EQ_HI, DK_E_UNIT, DK_E_MAX, DK_SQ_LO, DK_SQ_HI,
                 DK_S_UNIT, DK_S_MAX, DK_E_LO, DK_E_HI, DK_QBLOCK, DK_RULE, DK_ARITH, DK_TENSOR,
-                DK_EMAX_E, DK_LOG2_ME, DK_TRANS, DK_SPLIT,
+                DK_EMAX_E, DK_LOG2_ME, DK_TRANS, DK_SPLIT, DK_SR, DK_SR_BITS,
             )
     dk = dk * scale
     tl.store(DK + (row0 + offs_n[:, None]) * HEAD_DIM + offs_d[None, :],
@@ -466,7 +514,7 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_inner(
     dq, q, do_p, lse2, delta, k_base, v_base, kd_base, offs_m, rows, qk_scale, f_dp, Sk,
-    first, count,
+    first, count, sr_dv0, sr_dv1, sr_dq0, sr_dq1, batch, head,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
@@ -474,16 +522,19 @@ def _dq_inner(
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
     DV_E_LO: tl.constexpr, DV_E_HI: tl.constexpr, DV_QBLOCK: tl.constexpr, DV_RULE: tl.constexpr,
     DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
-    DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr,
+    DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SR: tl.constexpr,
+    DV_SR_BITS: tl.constexpr,
     DQ_MODE: tl.constexpr, DQ_LIFT: tl.constexpr, DQ_EQ_LO: tl.constexpr, DQ_EQ_HI: tl.constexpr,
     DQ_E_UNIT: tl.constexpr, DQ_E_MAX: tl.constexpr, DQ_SQ_LO: tl.constexpr,
     DQ_SQ_HI: tl.constexpr, DQ_S_UNIT: tl.constexpr, DQ_S_MAX: tl.constexpr,
     DQ_E_LO: tl.constexpr, DQ_E_HI: tl.constexpr, DQ_QBLOCK: tl.constexpr, DQ_RULE: tl.constexpr,
     DQ_ARITH: tl.constexpr, DQ_TENSOR: tl.constexpr, DQ_EMAX_E: tl.constexpr,
     DQ_LOG2_ME: tl.constexpr, DQ_TRANS: tl.constexpr, DQ_SPLIT: tl.constexpr,
+    DQ_SR: tl.constexpr, DQ_SR_BITS: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, tiles held (queries, keys);
-    MASKED as in `_dkdv_inner`."""
+    MASKED as in `_dkdv_inner`; DV_SR (P^ for dS = P^ (dP - D)), DQ_SR: stochastic rounding by
+    the words of their streams (keys sr_dv*, sr_dq*), as in the dK/dV kernel."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -512,19 +563,25 @@ def _dq_inner(
             vt = tl.load(vt_ptrs)
         dp = tl.dot(do_p, vt) * f_dp
         if DS_FROM_DV:  # the P dV consumes, as quantized (in the dK/dV kernel)
+            words_dv = _words(sr_dv0, sr_dv1, batch, head, offs_m, start_n, BLOCK_M, BLOCK_N,
+                              DV_SR, False)  # fmt: skip
             p_dv, f_dv = _quantize_tile(
-                p, z, BLOCK_M, BLOCK_N, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT,
-                DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK,
-                DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS,
+                p, z, words_dv, BLOCK_M, BLOCK_N, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI,
+                DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI,
+                DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SR,
+                DV_SR_BITS,
             )
             ds = (dp - delta[:, None]) * (p_dv * f_dv)
         else:
             ds = (dp - delta[:, None]) * p
         # -- dQ += dS^ K --
+        words_dq = _words(sr_dq0, sr_dq1, batch, head, offs_m, start_n, BLOCK_M, BLOCK_N,
+                          DQ_SR, False)  # fmt: skip
         ds_q, f_q = _quantize_tile(
-            ds, ds, BLOCK_M, BLOCK_N, True, DQ_MODE, DQ_LIFT, DQ_EQ_LO, DQ_EQ_HI, DQ_E_UNIT,
-            DQ_E_MAX, DQ_SQ_LO, DQ_SQ_HI, DQ_S_UNIT, DQ_S_MAX, DQ_E_LO, DQ_E_HI, DQ_QBLOCK,
-            DQ_RULE, DQ_ARITH, DQ_TENSOR, DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS,
+            ds, ds, words_dq, BLOCK_M, BLOCK_N, True, DQ_MODE, DQ_LIFT, DQ_EQ_LO, DQ_EQ_HI,
+            DQ_E_UNIT, DQ_E_MAX, DQ_SQ_LO, DQ_SQ_HI, DQ_S_UNIT, DQ_S_MAX, DQ_E_LO, DQ_E_HI,
+            DQ_QBLOCK, DQ_RULE, DQ_ARITH, DQ_TENSOR, DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS, DQ_SR,
+            DQ_SR_BITS,
         )
         if MASKED:
             kd = tl.load(kd_ptrs, mask=cols[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
@@ -537,6 +594,7 @@ def _dq_inner(
 @triton.jit
 def _attn_bwd_dq(
     Q, K, V, KD, DOP, LSE, DELTA, DQ, QF, KF, DOPF, VF, KDF, qk_scale, scale, H, G, Sq, Sk,
+    SRKeys, sr_batch,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
@@ -545,12 +603,14 @@ def _attn_bwd_dq(
     DV_E_LO: tl.constexpr, DV_E_HI: tl.constexpr, DV_QBLOCK: tl.constexpr, DV_RULE: tl.constexpr,
     DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
     DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SPLIT: tl.constexpr,
+    DV_SR: tl.constexpr, DV_SR_BITS: tl.constexpr,
     DQ_MODE: tl.constexpr, DQ_LIFT: tl.constexpr, DQ_EQ_LO: tl.constexpr, DQ_EQ_HI: tl.constexpr,
     DQ_E_UNIT: tl.constexpr, DQ_E_MAX: tl.constexpr, DQ_SQ_LO: tl.constexpr,
     DQ_SQ_HI: tl.constexpr, DQ_S_UNIT: tl.constexpr, DQ_S_MAX: tl.constexpr,
     DQ_E_LO: tl.constexpr, DQ_E_HI: tl.constexpr, DQ_QBLOCK: tl.constexpr, DQ_RULE: tl.constexpr,
     DQ_ARITH: tl.constexpr, DQ_TENSOR: tl.constexpr, DQ_EMAX_E: tl.constexpr,
     DQ_LOG2_ME: tl.constexpr, DQ_TRANS: tl.constexpr, DQ_SPLIT: tl.constexpr,
+    DQ_SR: tl.constexpr, DQ_SR_BITS: tl.constexpr,
 ):
     """dQ of one query tile of one (batch, head), over the key tiles it sees: first the whole
     tiles of visible keys (unmasked, as the forward splits them), then the rest (masked)."""
@@ -558,6 +618,8 @@ def _attn_bwd_dq(
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     bhk = b * (H // G) + h // G
+    sr_dv0, sr_dv1, sr_b = _stream_words(SRKeys, b, sr_batch, 0, 3)
+    sr_dq0, sr_dq1, _ = _stream_words(SRKeys, b, sr_batch, 1, 3)
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -589,13 +651,14 @@ def _attn_bwd_dq(
         dq = _dq_inner(
             dq, q, do_p, lse2, delta, K + k_row0 * HEAD_DIM, V + k_row0 * V_DIM,
             KD + k_row0 * HEAD_DIM, offs_m, rows, s_scale, f_dp, Sk, first, count,
+            sr_dv0, sr_dv1, sr_dq0, sr_dq1, sr_b, h,
             r == 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV,
             DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
             DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
-            DV_EMAX_E, DV_LOG2_ME, DV_TRANS,
+            DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SR, DV_SR_BITS,
             DQ_MODE, DQ_LIFT, DQ_EQ_LO, DQ_EQ_HI, DQ_E_UNIT, DQ_E_MAX, DQ_SQ_LO, DQ_SQ_HI,
             DQ_S_UNIT, DQ_S_MAX, DQ_E_LO, DQ_E_HI, DQ_QBLOCK, DQ_RULE, DQ_ARITH, DQ_TENSOR,
-            DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS, DQ_SPLIT,
+            DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS, DQ_SPLIT, DQ_SR, DQ_SR_BITS,
         )
     dq = dq * (scale * tl.load(KDF + bhk))
     tl.store(DQ + (q_row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
@@ -617,6 +680,7 @@ def attention_backward(
     ds_from_dv: bool = False,
     m_ref: torch.Tensor | None = None,
     leakage_block: int = 0,
+    sr_keys: tuple = (None, None, None),
     num_warps: int = 4,
     num_stages: int = 2,
 ):
@@ -626,12 +690,20 @@ def attention_backward(
     dV consumes (recipe.ds_p=dv_operand) instead of P. `m_ref` (backward=forward_exact): the
     row references the forward saved (`attention_forward`'s m_ref), from which dV replays the
     forward's own P^ with `dv_p` the forward's P quantizer; `leakage_block`: the forward's
-    leakage fix, whose diagonal blocks of P that P^ leaves unquantized."""
+    leakage fix, whose diagonal blocks of P that P^ leaves unquantized. `sr_keys`: the 64-bit
+    stream keys (`fp4lab.formats.streams.stream_key`) of `dv_p`, `dq_ds` and `dk_ds`, each
+    required where that quantizer rounds stochastically (dv_p's: the forward's P stream for
+    the replay and the straight-through backward's P, as the simulation draws them); each a
+    sequence of n keys for n samples stacked along the batch (`flash.sr_key_table`)."""
     q, qf = ops.q
     k, kf = ops.k
     B, H, Sq, D = q.shape
     Hk, Sk, Dv = k.shape[1], k.shape[2], ops.v_dp[0].shape[-1]
     check_tiles(block_m, block_n, dv_p=dv_p, dq_ds=dq_ds, dk_ds=dk_ds)
+    sr_table = sr_key_table(
+        tuple(sr_keys), tuple(tq.pq.SR for tq in (dv_p, dq_ds, dk_ds)),
+        ("sr_keys[0] (dv_p)", "sr_keys[1] (dq_ds)", "sr_keys[2] (dk_ds)"), B, q.device,
+    )  # fmt: skip
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     # -- D = rowsum(dO * O) --
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -657,7 +729,7 @@ def attention_backward(
         _attn_bwd_dkdv, (triton.cdiv(Sk, block_n), B * Hk),
         (q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv, f32(qf),
          f32(kf), f32(f_dov), f32(f_dop), f32(f_v), f32(f_qd), scale * LOG2E, scale, H, H // Hk,
-         Sq, Sk),
+         Sq, Sk, *sr_table),
         dict(REPLAY=m_ref is not None, LEAK=leakage_block, **common, **dv_constants,
              **dk_ds.constants("DK", keys_last=False)),
     )  # fmt: skip
@@ -667,7 +739,7 @@ def attention_backward(
     _launch(
         _attn_bwd_dq, (triton.cdiv(Sq, block_m), B * H),
         (q, k, v, kd, do_p, lse, delta, dq, f32(qf), f32(kf), f32(f_dop), f32(f_v), f32(f_kd),
-         scale * LOG2E, scale, H, H // Hk, Sq, Sk),
+         scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table),
         dict(**common, **dv_p.constants("DV", keys_last=True),
              **dq_ds.constants("DQ", keys_last=True)),
     )  # fmt: skip

@@ -53,3 +53,20 @@ def uniform53(w0, w1):
     high bits of w0 above the 26 high bits of w1, as `fp4lab.formats.philox.uniform53`."""
     bits = ((w0 >> 5).to(tl.uint64) << 26) | (w1 >> 6).to(tl.uint64)
     return bits.to(tl.float64) * TWO_TO_MINUS_53  # bits < 2^53: exact
+
+
+@triton.jit
+def tile_words(k0, k1, batch, head, rows, col0, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The uint32 words of a (ROWS, COLS) tile of a stream keyed (k0, k1) (uint32), as
+    `fp4lab.formats.streams.uniforms` draws them: element (r, c) of the tile, at row rows[r]
+    and column col0 + c (col0 a multiple of 4), takes word c % 4 of Philox4x32-10 at the
+    counter (column // 4, row, head, batch). One counter serves four columns: the words of
+    a (ROWS, COLS / 4) grid of counters are interleaved along the columns."""
+    zeros = tl.zeros([ROWS, COLS // 4], dtype=tl.uint32)
+    c0 = zeros + (col0 // 4 + tl.arange(0, COLS // 4)).to(tl.uint32)[None, :]
+    c1 = zeros + rows.to(tl.uint32)[:, None]
+    c2 = zeros + head.to(tl.uint32)
+    c3 = zeros + batch.to(tl.uint32)
+    w0, w1, w2, w3 = philox4x32(c0, c1, c2, c3, k0, k1, 10)
+    # join's new axis is the last: (ROWS, COLS / 4, 2, 2) holds word 2 i + j at [..., i, j]
+    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (ROWS, COLS))

@@ -151,3 +151,21 @@ def test_seeds_are_independent_of_the_count():
     assert derive_seeds(3, 8)[:4] == derive_seeds(3, 4)
     assert derive_seeds(3, 4) != derive_seeds(4, 4)
     assert torch.tensor(derive_seeds(0, 100)).unique().numel() == 100
+
+
+@pytest.mark.parametrize("reference", ["exact", "forward"])
+def test_batched_samples_give_the_looped_numbers(x, reference):
+    # five samples three at a time (a remainder of two) against one at a time, on the CPU
+    # reference: each stacked sample draws its own bits, so every statistic is the same;
+    # the recipe rounds P in the forward too, so the "forward" reference is per sample
+    recipe = dataclasses.replace(UNBIASED, name="test_sr_p", p=SR)
+    q, k, v, do = (t[:, :, :64] for t in (x.q, x.k, x.v, x.do))
+    run = dict(samples=5, seed=3, reference=reference, **OPTS)
+    looped = gradient_bias(q, k, v, do, recipe, **run)
+    batched = gradient_bias(q, k, v, do, recipe, batch=3, **run)
+    for frame in ("tensors", "tiles", "convergence"):
+        pd.testing.assert_frame_equal(getattr(batched, frame), getattr(looped, frame))
+    other = gradient_bias(q, k, v, do, recipe, **{**run, "seed": 4})
+    assert not other.tensors["rel_bias"].equals(looped.tensors["rel_bias"])
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        gradient_bias(q, k, v, do, recipe, batch=0, **run)

@@ -138,8 +138,7 @@ def test_padded_query_rows_do_not_move_a_tile_scale():
 
 @pytest.mark.parametrize(
     "recipe, what",
-    [("sageattn3", "smooth_q"), ("croissattn", "stochastic"), ("sageattn3_paper", "row_scaled"),
-     ("fa4fp4_directp", "affine")],
+    [("sageattn3", "smooth_q"), ("sageattn3_paper", "row_scaled"), ("fa4fp4_directp", "affine")],
 )  # fmt: skip
 def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, what):
     q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)
@@ -210,7 +209,7 @@ def _quantize_p_kernel(
 ):  # fmt: skip
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     values, factor = flash._quantize_p(
-        tl.load(P + offs), BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
+        tl.load(P + offs), 0, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
         SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
     )  # fmt: skip
     tl.store(Values + offs, values)
@@ -280,7 +279,7 @@ def _dot_p_kernel(
     offs = rows[:, None] * BLOCK_N + cols[None, :]
     tl.store(P + offs, p)
     values, factor = flash._quantize_p(
-        p, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
+        p, 0, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
         SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E,
     )  # fmt: skip
     tl.store(Values + offs, values)

@@ -286,7 +286,7 @@ def _quantize_tile_kernel(
     offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     x = tl.load(X + offs)
     values, factor = flash_bwd._quantize_tile(
-        x, x, ROWS, COLS, True, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
+        x, x, 0, ROWS, COLS, True, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
         S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, TRANS,
     )  # fmt: skip
     tl.store(Values + offs, values)

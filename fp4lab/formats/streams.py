@@ -1,0 +1,112 @@
+"""Position-keyed random streams: the uniforms stochastic rounding inside attention takes.
+
+What. Each pass of an attention call (the forward, then the backward) draws one 62-bit key
+from the call's generator (`pass_key`). An operand's stream is keyed by a 64-bit hash of
+(pass key, the operand's stream id in `fp4lab.recipes.OPERANDS`) (`stream_key`), and every
+element takes its uniform from Philox4x32-10 (`fp4lab.formats.philox`) at its absolute
+position: the counter (c0, c1, c2, c3) = (column // 4, row, head, batch), the row being its
+sequence position (the query position for P and dS), the column its feature (the key position
+for P and dS), the head the query head (a whole key-side tensor's own head); the counter's
+four output words serve four consecutive columns, and the uniform is the word times 2^-32.
+
+Why here. Both execution paths draw from this one definition: the simulation
+(`fp4lab.analysis.streams`, tile by tile) and the Triton backend (`fp4lab.kernels.backend`
+for whole tensors, `fp4lab.kernels.random.tile_words` in registers for P and dS), so the
+same seed rounds the same way on the CPU and the GPU, whatever the batch size, head count,
+tiling or chunking. Rounding up where u < frac is exactly unbiased for a fraction of at most
+32 bits below the quantum, and biased by less than 2^-32 of a quantum otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4lab.formats.philox import philox4x32, split_key
+from fp4lab.formats.rounding import as_generator
+
+__all__ = ["as_generators", "pass_key", "stream_key", "stream_keys", "uniforms", "tensor_uniforms"]
+
+_MASK64 = (1 << 64) - 1
+_TWO_TO_MINUS_32 = 2.0**-32
+
+
+def as_generators(generator):
+    """A call's generator(s): a torch.Generator from a generator or an int seed (an int seed
+    makes a CPU generator), a tuple of them from a list or tuple of such (samples stacked
+    along the batch: generator i draws for the i-th of n equal consecutive chunks of the
+    batch, as a call on that chunk alone would), or None."""
+    if isinstance(generator, (tuple, list)):
+        if not generator:
+            raise ValueError("generator: an empty sequence of generators")
+        return tuple(as_generator(g) for g in generator)
+    return as_generator(generator)
+
+
+def pass_key(generator) -> int | tuple[int, ...]:
+    """One pass's key: an int in [0, 2^62) drawn from `generator` on its own device, or one
+    from each generator of a tuple (`as_generators`)."""
+    if isinstance(generator, tuple):
+        return tuple(pass_key(g) for g in generator)
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator, device=generator.device))
+
+
+def stream_key(*values: int) -> int:
+    """A 64-bit hash of a sequence of ints (splitmix64's finalizer, chained): the same on
+    every machine and Python version; `stream_key(pass key, stream id)` keys a stream."""
+    h = 0
+    for v in values:
+        h = (h ^ (v & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 31
+    return h
+
+
+def stream_keys(key: int | tuple, stream: int) -> int | tuple:
+    """The key of stream `stream` under a pass key, or under each of a tuple of them."""
+    if isinstance(key, tuple):
+        return tuple(stream_key(k, stream) for k in key)
+    return stream_key(key, stream)
+
+
+def uniforms(key: int, batch, head, row, column) -> torch.Tensor:
+    """float64 uniforms of the broadcast shape of the int64 position tensors, for the stream
+    keyed by `key`. Where `column`'s last dim runs over whole aligned groups of four
+    (starts at a multiple of 4 and has a multiple of 4 entries), one counter serves four
+    columns; elsewhere each element takes word (column % 4) of its own counter."""
+    return _keyed(*split_key(key), batch, head, row, column)
+
+
+def _keyed(k0, k1, batch, head, row, column) -> torch.Tensor:
+    """`uniforms` under the key words (k0, k1): ints, or int64 tensors broadcast with the
+    positions (a key per element)."""
+    first = column[..., :1]
+    aligned = column.shape[-1] % 4 == 0 and bool((first % 4 == 0).all())
+    if aligned:  # counters (..., columns / 4), their four words side by side
+        words = philox4x32(column[..., ::4] >> 2, row, head, batch, k0, k1)
+        stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1).flatten(-2)
+    else:
+        words = torch.broadcast_tensors(*philox4x32(column >> 2, row, head, batch, k0, k1))
+        stacked = (
+            torch.stack(words, dim=-1)
+            .gather(-1, (column % 4).unsqueeze(-1).expand(*words[0].shape, 1))
+            .squeeze(-1)
+        )
+    return stacked.to(torch.float64).mul_(_TWO_TO_MINUS_32)
+
+
+def tensor_uniforms(key: int | tuple, shape, device) -> torch.Tensor:
+    """The uniforms of a whole operand (B, heads, seq, E) for the stream keyed by `key`,
+    float64 on `device`: element (b, h, s, e) at counter (e // 4, s, h, b). A tuple of n keys
+    draws each of n equal consecutive chunks of the batch with its own key, the chunk's
+    batch counted from 0 (stacked samples)."""
+    b, h, s, e = shape
+    width = -(-e // 4) * 4  # whole groups of four columns, cropped after
+    position = [torch.arange(n, device=device) for n in (b, h, s, width)]
+    position = [p.view([-1 if d == i else 1 for d in range(4)]) for i, p in enumerate(position)]
+    if not isinstance(key, tuple):
+        return uniforms(key, *position)[..., :e]
+    chunk = b // len(key)  # each chunk of the batch under its key, its batch counted from 0
+    words = torch.tensor([split_key(k) for k in key], dtype=torch.int64, device=device)
+    k0, k1 = (words[:, i].repeat_interleave(chunk).view(b, 1, 1, 1) for i in (0, 1))
+    return _keyed(k0, k1, position[0] % chunk, *position[1:])[..., :e]
