@@ -20,7 +20,6 @@ import math
 import torch
 
 from fp4lab.analysis.online_softmax import OnlineSoftmax, rescale_add
-from fp4lab.analysis.tile_stats import operand_stats, prefix, product_stats
 from fp4lab.analysis.tiling import (
     TileBlock,
     Tiling,
@@ -30,6 +29,7 @@ from fp4lab.analysis.tiling import (
     zero_skipped,
 )
 from fp4lab.recipes import Product, TraceCall
+from fp4lab.recipes.tile_stats import operand_stats, prefix, product_stats, whole_stats
 
 __all__ = ["begin_trace", "ForwardTrace", "BackwardTrace"]
 
@@ -263,15 +263,6 @@ class BackwardTrace:
 
 
 # -- statistics of whole-tensor operands and of products -------------------------------------------
-def whole_stats(x, quant, tiler) -> dict:
-    """Per-tile operand statistics of a whole-tensor operand (a `quantizers.Quantized`)."""
-    counts = None
-    if quant.counts is not None:
-        tile_sum = lambda f: tiler(f.to(torch.uint8)).sum((-2, -1))  # noqa: E731
-        counts = {k: tile_sum(f) if f is not None else None for k, f in quant.counts.items()}
-    return operand_stats(tiler(x), tiler(quant.values), counts)
-
-
 def grams(x: torch.Tensor, x_hat: torch.Tensor, tiler) -> tuple:
     """Per-tile Gram matrices of a whole-tensor operand in float64, flattened, for
     `gram_product_stats`: (X^T X, X^^T X, X^^T X^), each (..., tiles, E * E)."""

@@ -1,14 +1,30 @@
 """Per-tile statistics of attention's operands and products, for the `Trace`.
 
 The definitions of every column are in `fp4lab.recipes.trace`; these functions compute them
-for a batch of tiles (reductions over the last two dims).
+for a batch of tiles (reductions over the last two dims). Both execution paths use them: the
+simulation for every column, the Triton backend for its whole-tensor operands (Q, K, V), whose
+statistics it takes on the host, and for the columns it builds from the kernels' per-tile sums.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["operand_stats", "product_stats", "exact_count", "prefix"]
+from fp4lab.formats import QuantSpec
+
+__all__ = [
+    "operand_stats",
+    "product_stats",
+    "whole_stats",
+    "block_counts",
+    "exact_count",
+    "prefix",
+    "fraction",
+]
+
+# Relative slack when judging a block scale out of its format's range: NVFP4's tensor scale
+# maps the tensor amax to exactly 448 up to float32 rounding, which is not an overflow.
+SLACK = 2.0**-20
 
 
 def operand_stats(
@@ -39,20 +55,20 @@ def operand_stats(
     stats = {
         "err": torch.where(diff == 0, 0.0, diff / norm),
         # quantization maps 0 to 0, so the nonzeros lost are the ones flushed
-        "flushed": _fraction(nonzero - kept, nonzero),
+        "flushed": fraction(nonzero - kept, nonzero),
         "nan": _nan_count(xq, diff),
     }
     if extras is not None:
         extras.update(nonzero=nonzero, kept_mass=scratch.mul_(x).sum(-1))
     counts = counts or {}
     stats["clipped"] = (
-        _fraction(counts["clipped"], nonzero) if "clipped" in counts else torch.zeros_like(diff)
+        fraction(counts["clipped"], nonzero) if "clipped" in counts else torch.zeros_like(diff)
     )
     blocks = counts.get("blocks")
     for name in ("scale_underflow", "scale_overflow"):
         hits = counts.get(name)
         stats[name] = (
-            _fraction(hits, blocks) if hits is not None else torch.full_like(diff, float("nan"))
+            fraction(hits, blocks) if hits is not None else torch.full_like(diff, float("nan"))
         )
     return stats
 
@@ -94,5 +110,45 @@ def prefix(stats: dict[str, torch.Tensor], side: str) -> dict[str, torch.Tensor]
     return {f"{side}_{k}": v for k, v in stats.items()}
 
 
-def _fraction(hits: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def fraction(hits: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, hits.double() / count.clamp(min=1).double(), float("nan"))
+
+
+def whole_stats(x, quant, tiler) -> dict:
+    """Per-tile operand statistics of a whole-tensor operand x (B, H, S, E) and its quantized
+    form `quant` (`.values` shaped as x, `.counts` as `block_counts` gives a whole tensor's,
+    or None); `tiler` cuts (B, H, S, E) into the trace's tiles (..., tiles, rows, E)."""
+    counts = None
+    if quant.counts is not None:
+        tile_sum = lambda f: tiler(f.to(torch.uint8)).sum((-2, -1))  # noqa: E731
+        counts = {k: tile_sum(f) if f is not None else None for k, f in quant.counts.items()}
+    return operand_stats(tiler(x), tiler(quant.values), counts)
+
+
+def block_counts(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dict:
+    """The trace's counts of a block quantization (`fp4lab.formats.quantize_blocks`'s scaled
+    elements, blocks before rounding, overwritten here; its block amax and decode scale):
+    "clipped" elements past the block's largest value, "blocks" holding a nonzero,
+    "scale_underflow" and "scale_overflow" such blocks whose ideal scale left the scale
+    format's range beyond float32 rounding. Per tile (the last two block dims) with
+    `per_tile`, else boolean tensors of the operand's shape (a block marked at its first
+    element, through `layout`)."""
+    d = decode if decode is not None else torch.ones((), dtype=torch.float32)
+    clipped = scaled.abs_().sub_(spec.element.max).clamp_(min=0).sign_()  # |x| > M_e s d: saturated
+    ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
+    blocks = {
+        "blocks": amax > 0,
+        "scale_underflow": (amax > 0) & (ideal < spec.scale.min_subnormal * (1 - SLACK)),
+        "scale_overflow": ideal > spec.scale.max * (1 + SLACK),
+    }
+    if per_tile:
+        return {
+            "clipped": exact_count(clipped, (-3, -2, -1)),
+            **{k: v.sum((-2, -1)) for k, v in blocks.items()},
+        }
+    marks = {}
+    for name, flag in blocks.items():
+        mark = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
+        mark[..., 0] = flag
+        marks[name] = layout.from_blocks(mark)
+    return {"clipped": layout.from_blocks(clipped.bool()), **marks}
