@@ -95,9 +95,9 @@ def check_recipe(recipe: AttentionRecipe) -> None:
 
 def _check_call(q, k, v, trace, attn_mask) -> None:
     if trace is not None:
-        raise NotImplementedError(
-            "trace: the Triton kernels write no trace yet; use backend='reference'"
-        )
+        from fp4lab.kernels.trace import check_trace
+
+        check_trace(trace)
     if attn_mask is not None:
         raise NotImplementedError("attn_mask: the Triton kernels take only the causal mask yet")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -361,8 +361,8 @@ def _dequantized(v: torch.Tensor, recipe: AttentionRecipe) -> torch.Tensor:
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, recipe, causal, scale, block_m, block_n):
-        from fp4lab.kernels.flash import attention_forward
+    def forward(ctx, q, k, v, recipe, causal, scale, block_m, block_n, trace):
+        from fp4lab.kernels.flash import TraceBuffers, attention_forward
 
         qs, ks, vs, factors = quantize_operands(q, k, v, recipe)
         vs_kernel = _key_major_fp8(vs) if _fp8_pv(recipe, block_n) else vs
@@ -373,11 +373,21 @@ class _TritonAttention(torch.autograd.Function):
         if grads and recipe.backward is BackwardMode.FORWARD_EXACT:
             n_k = -(-k.shape[2] // block_n)
             m_ref = torch.zeros(*q.shape[:3], n_k, dtype=torch.float32, device=q.device)
+        bufs = None
+        if trace is not None:  # the instrumented kernel (TRACE), its statistics into bufs
+            bufs = TraceBuffers.empty(*q.shape[:3], k.shape[2], block_m, block_n, q.device)
+        pq = p_quantizer(recipe)
         o, lse = attention_forward(
-            qs, ks, vs_kernel, factors, p_quantizer(recipe), causal=causal,
-            scale=scale, block_m=block_m, block_n=block_n, lse_log2=True, o_prime=o_prime,
-            m_ref=m_ref, **forward_options(recipe, causal, v),
+            qs, ks, vs_kernel, factors, pq, causal=causal, scale=scale, block_m=block_m,
+            block_n=block_n, lse_log2=True, o_prime=o_prime, m_ref=m_ref, trace=bufs,
+            **forward_options(recipe, causal, v),
         )  # fmt: skip
+        if trace is not None:
+            from fp4lab.kernels.trace import record_forward
+
+            cfg = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n,
+                       mode=pq.MODE)  # fmt: skip
+            record_forward(trace, recipe, (q, k, v), bufs, o, lse, cfg)
         out = o.to(q.dtype)
         if grads:  # the outputs as returned (in q's dtype): D reads them so, as the simulation
             o_prime = out if o_prime is None else o_prime.to(q.dtype)
@@ -404,7 +414,7 @@ class _TritonAttention(torch.autograd.Function):
             m_ref=m_ref if replay else None,
             leakage_block=recipe.leakage_block if replay and recipe.leakage_fix and causal else 0,
         )  # fmt: skip
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def attention(
@@ -433,4 +443,4 @@ def attention(
         check_backward(recipe, block_m, block_n)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     k = smooth_k(k, recipe)
-    return _TritonAttention.apply(q, k, v, recipe, bool(causal), scale, block_m, block_n)
+    return _TritonAttention.apply(q, k, v, recipe, bool(causal), scale, block_m, block_n, trace)
