@@ -377,17 +377,23 @@ class _TritonAttention(torch.autograd.Function):
         if trace is not None:  # the instrumented kernel (TRACE), its statistics into bufs
             bufs = TraceBuffers.empty(*q.shape[:3], k.shape[2], block_m, block_n, q.device)
         pq = p_quantizer(recipe)
+        tiles = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)
         o, lse = attention_forward(
-            qs, ks, vs_kernel, factors, pq, causal=causal, scale=scale, block_m=block_m,
-            block_n=block_n, lse_log2=True, o_prime=o_prime, m_ref=m_ref, trace=bufs,
-            **forward_options(recipe, causal, v),
+            qs, ks, vs_kernel, factors, pq, lse_log2=True, o_prime=o_prime, m_ref=m_ref,
+            trace=bufs, out_dtype=torch.float32 if bufs else None,
+            **tiles, **forward_options(recipe, causal, v),
         )  # fmt: skip
         if trace is not None:
+            from fp4lab.kernels.flash import PQuantizer
             from fp4lab.kernels.trace import record_forward
 
-            cfg = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n,
-                       mode=pq.MODE)  # fmt: skip
-            record_forward(trace, recipe, (q, k, v), bufs, o, lse, cfg)
+            (qp, qpf), (kp, kpf), (vp, vpf) = (_plain(x) for x in (q, k, v))
+            exact = attention_forward(  # exact attention, for out_err and lse_err
+                qp, kp, vp, (qpf, kpf, vpf), PQuantizer(MODE=0), out_dtype=torch.float32,
+                **tiles,
+            )  # fmt: skip
+            record_forward(trace, recipe, (q, k, v), bufs, (o, lse), exact, dict(**tiles,
+                           mode=pq.MODE))  # fmt: skip
         out = o.to(q.dtype)
         if grads:  # the outputs as returned (in q's dtype): D reads them so, as the simulation
             o_prime = out if o_prime is None else o_prime.to(q.dtype)

@@ -910,6 +910,7 @@ def attention_forward(
     o_prime: torch.Tensor | None = None,
     m_ref: torch.Tensor | None = None,
     trace: TraceBuffers | None = None,
+    out_dtype: torch.dtype | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
@@ -927,7 +928,8 @@ def attention_forward(
     (B, H, Sq, cdiv(Sk, block_n)) tensor filled with the row reference each key tile's P took
     (log2 units; tiles a row does not visit are left as they were), or None. `trace`: the
     `TraceBuffers` an instrumented kernel (TRACE) fills, or None: the kernel compiled without
-    instrumentation, the very one of an uninstrumented call."""
+    instrumentation, the very one of an uninstrumented call. `out_dtype`: O's dtype (q's
+    when None; the instrumented path asks for fp32, the output before its cast)."""
     if reference not in _REFERENCES:
         raise ValueError(f"reference must be one of {', '.join(_REFERENCES)}; got {reference!r}")
     if reference == "anchor" and not 0 < anchor_keys <= block_n:
@@ -944,7 +946,8 @@ def attention_forward(
     v_plain = v if v_plain is None else v_plain
     B, H, Sq, D = q.shape
     Hk, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    o = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)  # bf16 (fp32 interpreted)
+    o = torch.empty(B, H, Sq, Dv, dtype=out_dtype or q.dtype, device=q.device)  # bf16 (fp32
+    # interpreted) unless out_dtype says otherwise
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(Sq, block_m), B * H)
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)

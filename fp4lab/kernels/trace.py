@@ -50,7 +50,7 @@ from fp4lab.recipes.tile_stats import (
 
 __all__ = ["record_forward", "check_trace", "NOT_COMPUTED"]
 
-NOT_COMPUTED = ("qk.prod_err", "pv.prod_err", "out.out_err", "out.lse_err", "dv", "dp", "dq", "dk")
+NOT_COMPUTED = ("qk.prod_err", "pv.prod_err", "dv", "dp", "dq", "dk")
 
 
 def check_trace(trace) -> None:
@@ -65,12 +65,15 @@ def check_trace(trace) -> None:
         )
 
 
-def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, o, lse2, cfg: dict):
+def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exact, cfg: dict):
     """Add one call to `trace`: `inputs` the unquantized (q, k, v) the kernel's operands were
-    quantized from (k smoothed), `bufs` the kernel's `TraceBuffers`, o its output (B, H, Sq,
-    Dv), lse2 its log-sum-exp in log2 units, `cfg` the call's causal, scale, block_m,
-    block_n and P quantizer mode (`mode`)."""
+    quantized from (k smoothed), `bufs` the kernel's `TraceBuffers`, `out` its (O, lse): O
+    (B, H, Sq, Dv) in fp32, lse in log2 units; `exact` exact attention's (O, lse) (fp32,
+    natural units), `cfg` the call's causal, scale, block_m, block_n and P quantizer mode
+    (`mode`)."""
     from fp4lab.kernels.flash import FORWARD_STATS
+
+    o, lse2 = out
 
     q, k, v = inputs
     B, H, Sq, _ = q.shape
@@ -105,9 +108,26 @@ def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, o, lse2,
         "prod_nan": st["pv_nan"],
     }
     rec.add(Product.PV, 0, 0, pv, visible)
-    out = heads(bufs.out)  # (B, Hkv, G, nQ, 2)
-    nan = _tiles(torch.isnan(o).to(torch.float32), bm).sum((-2, -1))
-    rec.add_out(0, {"row_sum_err": out[..., 0] / out[..., 1], "out_nan": heads(nan)})
+    sums = bufs.out.double()  # (B, H, nQ, 2)
+    out = {"row_sum_err": sums[..., 0] / sums[..., 1], **_out_errors(o, lse2, *exact, bm)}
+    rec.add_out(0, {name: heads(value) for name, value in out.items()})
+
+
+def _out_errors(o, lse2, o_ref, lse_ref, bm: int) -> dict:
+    """``lse_err``, ``out_err`` and ``out_nan`` per query tile (B, H, nQ) of the output o and
+    lse (log2 units) against exact attention's, over the rows where both lse are finite."""
+    lse = lse2.double() * math.log(2.0)
+    rows = torch.isfinite(lse) & torch.isfinite(lse_ref)  # (B, H, Sq)
+    tile_sum = lambda x: _tiles(x, bm).sum((-2, -1))  # noqa: E731  (B, H, nQ)
+    count = tile_sum(rows[..., None].double())
+    lse_diff = torch.where(rows, (lse - lse_ref.double()).abs(), 0.0)
+    diff = torch.where(rows[..., None], o.double() - o_ref.double(), 0.0)
+    ref = torch.where(rows[..., None], o_ref.double(), 0.0)
+    return {
+        "lse_err": tile_sum(lse_diff[..., None]) / count,
+        "out_err": tile_sum(diff.square()).sqrt() / tile_sum(ref.square()).sqrt(),
+        "out_nan": tile_sum(torch.isnan(o).double()),
+    }
 
 
 def _p_columns(st: dict, mode: int) -> dict:
