@@ -1,0 +1,219 @@
+"""The Triton backend's trace (`fp4lab.kernels.trace`, the forward kernel's TRACE flag)
+against the simulation's, under Triton's interpreter on the CPU and compiled on a GPU.
+
+Both paths quantize Q, K, V the same way and P with the same arithmetic, so a count (a
+fraction of flushed or clipped elements, of blocks whose scale left its range, of NaNs) is
+the same number, and a sum (an operand's relative error, the flushed probability mass, the
+softmax denominator's, the log-sum-exp's and the output's errors) moves only by the order of
+its fp32 additions: at most a few 1e-7 here (observed up to 4e-7), budget 2e-6 absolute plus
+1e-5 relative. Under the interpreter the kernel's scores are numpy's fp32 sums and the
+simulation's torch's, the same order at these sizes, so no P element rounds the other way.
+On a GPU the order differs and a P element within rounding of a boundary of its format may
+round the other way; the full-size test budgets that (a few elements per 128 x 128 tile).
+
+One count sits on a boundary by construction: with a per-tile tensor scale (NVFP4's), the
+block holding the tile's largest P gets the scale that maps it to E2M1's 6, up to float32
+rounding of the scale chain, so whether that one element counts as clipped (scaled above 6)
+hangs on the last bit of P, exp2 of log2-unit scores here and exp there. ``a_clipped`` is
+budgeted one element of its tile for it.
+"""
+
+import dataclasses
+import inspect
+import os
+import zlib
+
+import pandas as pd
+import pytest
+import torch
+
+import fp4lab
+from fp4lab.analysis import attention as reference_attention
+from fp4lab.formats import MXFP4
+from fp4lab.recipes import STATISTICS, Trace, resolve_recipe
+
+pytest.importorskip("triton")
+
+from fp4lab.kernels import flash  # noqa: E402
+from fp4lab.kernels.trace import NOT_COMPUTED  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:invalid value:RuntimeWarning", "ignore:divide by zero:RuntimeWarning"
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KEY = ["product", "batch", "head", "kv_head", "q_tile", "k_tile"]
+COUNTS = ("flushed", "clipped", "scale_underflow", "scale_overflow", "nan")  # and *_nan
+ATOL, RTOL = 2e-6, 1e-5
+RECIPES = [
+    "exact", "nvfp4", "mxfp4", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv",
+    "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "fa3_fp8",
+]  # fmt: skip
+
+
+def inputs(b, h, hk, sq, sk, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda heads, s: torch.randn(b, heads, s, d, generator=g).to(DEVICE, torch.bfloat16)  # noqa: E731
+    return make(h, sq), make(hk, sk), make(hk, sk)
+
+
+def traces(q, k, v, recipe, triton_recipe=None, **options):
+    """(reference frame, Triton frame, Triton trace) of one forward."""
+    ref, tri = Trace(), Trace()
+    reference_attention(q, k, v, recipe, trace=ref, **options)
+    fp4lab.attention(q, k, v, triton_recipe or recipe, trace=tri, backend="triton", **options)
+    return ref.to_frame(), tri.to_frame(), tri
+
+
+def produced() -> list[str]:
+    """The statistics the Triton forward writes (not in NOT_COMPUTED, forward products)."""
+    missing = {name.split(".")[1] for name in NOT_COMPUTED if "." in name}
+    return [c for c in STATISTICS if c not in missing and c != "p_fwd_mismatch"]
+
+
+def visible_pairs(frame, meta) -> pd.Series:
+    """The number of (query, key) pairs each row's tile holds (its P's nonzeros)."""
+    sq, sk, bm, bn = meta["shape_q"][2], meta["Sk"], meta["block_m"], meta["block_n"]
+    causal = meta["causal"]
+
+    def pairs(i, j):
+        rows = torch.arange(i * bm, min((i + 1) * bm, sq))[:, None]
+        keys = torch.arange(j * bn, min((j + 1) * bn, sk))[None, :]
+        return int(((keys <= rows) | (not causal)).sum())
+
+    return frame.apply(lambda row: pairs(row["q_tile"], max(row["k_tile"], 0)), axis=1)
+
+
+def compare(ref, tri, meta, atol=ATOL, rtol=RTOL, count_atol=0.0) -> None:
+    """Assert the Triton frame equals the reference's forward rows: the same rows, counts
+    within count_atol (exactly by default; ``a_clipped`` one element more, see the module),
+    sums within atol + rtol |ref|, NaN where the reference's is; on failure, the first
+    differing tile and both values. `meta`: the call's (tile geometry)."""
+    ref = ref[ref["product"].isin(["qk", "pv", "out"])]
+    assert sorted(map(tuple, ref[KEY].values)) == sorted(map(tuple, tri[KEY].values))
+    both = ref.merge(tri, on=KEY, suffixes=("_ref", "_tri"))
+    assert len(both) == len(ref)
+    one_element = 1.0 / visible_pairs(both, meta).clip(lower=1) + 1e-12
+    for name in produced():
+        a, b = both[f"{name}_ref"], both[f"{name}_tri"]
+        is_count = name.endswith("nan") or name[2:] in COUNTS
+        tol = count_atol + 0 * a if is_count else atol + rtol * a.abs()
+        if name == "a_clipped":
+            tol = tol + one_element
+        bad = (a.isna() != b.isna()) | ((a - b).abs() > tol)
+        if bad.any():
+            row = both[bad].iloc[0]
+            raise AssertionError(
+                f"{name}: {int(bad.sum())} tiles differ; first {row[KEY].to_dict()}: "
+                f"reference {row[f'{name}_ref']!r}, triton {row[f'{name}_tri']!r}"
+            )
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_kernel_trace_is_the_simulations(recipe, causal):
+    # ragged on both sides (80 queries, 72 keys in tiles of 32)
+    q, k, v = inputs(1, 2, 2, 80, 72, 32, seed=zlib.crc32(recipe.encode()) % 1000)
+    ref, tri, trace = traces(q, k, v, recipe, causal=causal, block_m=32, block_n=32)
+    compare(ref, tri, trace.calls[0].meta)
+    assert trace.calls[0].meta["backend"] == "triton"
+    for name in NOT_COMPUTED:  # what the kernels do not write stays NaN, said in the meta
+        product, _, column = name.partition(".")
+        rows = tri[tri["product"] == product]
+        assert rows.empty or rows[column].isna().all()
+    assert set(trace.calls[0].meta["not_computed"]) == set(NOT_COMPUTED)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fa4fp4_causal"])
+def test_grouped_query_heads_and_longer_rows(recipe):
+    q, k, v = inputs(1, 4, 2, 160, 130, 32, seed=7)
+    ref, tri, trace = traces(q, k, v, recipe, causal=True, block_m=32, block_n=32)
+    compare(ref, tri, trace.calls[0].meta)
+    assert set(tri["kv_head"]) == {0, 1} and set(tri["head"]) == {0, 1, 2, 3}
+
+
+def test_p_statistics_are_not_trivially_zero():
+    # the comparison means something only where P loses something: nvfp4 flushes and clips
+    q, k, v = inputs(1, 2, 2, 96, 96, 32, seed=3)
+    _, tri, _ = traces(q, k, v, "nvfp4", block_m=32, block_n=32)
+    pv = tri[tri["product"] == "pv"]
+    assert (pv["a_flushed"] > 0).all() and (pv["a_clipped"] > 0).any()
+    assert (pv["p_mass_lost"] > 0).all() and (pv["a_err"] > 0.01).all()
+
+
+def test_a_different_p_quantizer_is_caught():
+    # the same Q, K, V quantizers with MXFP4 P instead of NVFP4 P on the Triton side: the P
+    # columns must differ, so the comparison above can fail
+    nvfp4 = resolve_recipe("nvfp4")
+    other = dataclasses.replace(nvfp4, name="nvfp4", p=MXFP4)
+    q, k, v = inputs(1, 2, 2, 64, 64, 32, seed=5)
+    ref, tri, trace = traces(q, k, v, nvfp4, triton_recipe=other, block_m=32, block_n=32)
+    with pytest.raises(AssertionError, match="a_err|a_flushed|a_clipped|p_mass_lost"):
+        compare(ref, tri, trace.calls[0].meta)
+
+
+def test_the_uninstrumented_call_compiles_trace_off(monkeypatch):
+    # TRACE defaults to False in the kernel's signature and only a traced call sets it
+    params = inspect.signature(flash._attn_fwd.fn).parameters
+    defaults = {name: p.default for name, p in params.items()}
+    assert defaults["TRACE"] is False
+    launched = []
+    kernel = flash._attn_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs.get("TRACE", defaults["TRACE"]))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(flash, "_attn_fwd", Spy())
+    q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=1)
+    fp4lab.attention(q, k, v, "nvfp4", backend="triton", block_m=32, block_n=32)
+    assert launched == [False]
+    fp4lab.attention(q, k, v, "nvfp4", backend="triton", trace=Trace(), block_m=32, block_n=32)
+    assert launched[1:] == [True, False]  # the instrumented call, then exact attention's
+
+
+def test_the_trace_changes_no_output_and_the_backward_still_runs():
+    q, k, v = inputs(1, 2, 1, 64, 64, 32, seed=2)
+    tiles = dict(block_m=32, block_n=32, causal=True)
+    plain = fp4lab.attention(q, k, v, "nvfp4", backend="triton", **tiles)
+    qg = q.clone().requires_grad_()
+    trace = Trace()
+    traced = fp4lab.attention(qg, k, v, "nvfp4", backend="triton", trace=trace, **tiles)
+    assert torch.equal(plain, traced)
+    traced.float().sum().backward()
+    assert torch.isfinite(qg.grad.float()).all()
+    assert set(trace.to_frame()["product"]) == {"qk", "pv", "out"}  # no backward rows yet
+
+
+def test_an_explicit_reference_precision_is_refused():
+    q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)
+    with pytest.raises(NotImplementedError, match="reference_dtype"):
+        fp4lab.attention(
+            q, k, v, "nvfp4", backend="triton", trace=Trace(reference_dtype=torch.float64)
+        )
+    with pytest.raises(TypeError, match="trace must be an fp4lab Trace"):
+        fp4lab.attention(q, k, v, "nvfp4", backend="triton", trace={})
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="full size on the GPU only")
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4", "fa4fp4_causal", "fa3_fp8"])
+def test_full_size_trace_on_the_gpu(recipe):
+    # fresh inputs each run (the seed is in the message); default tiles (128 x 128). The GPU's
+    # score sums differ from torch's in order, so a P element on a rounding boundary may round
+    # the other way: a count moves by a few per 16384-element tile (budget 1e-3 of a tile's
+    # nonzeros). Exact attention on the kernel multiplies P in 16 bits (two bf16 halves):
+    # out_err moves by ~1e-5; FP8 P V on the tensor cores accumulates in reduced precision
+    # (tests/kernels/test_flash.py measured 5e-4): budget 1e-3 there.
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 4, 1024, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in "qkv")
+    ref, tri, trace = traces(q, k, v, recipe, causal=True)
+    try:
+        atol = 1e-3 if recipe == "fa3_fp8" else 1e-4
+        compare(ref, tri, trace.calls[0].meta, atol=atol, rtol=1e-3, count_atol=1e-3)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None
