@@ -14,11 +14,15 @@ forward_exact backwards), and P and dS inside its kernels. K smoothing runs outs
 Function, as in the simulation, so K's gradient takes the mean's Jacobian in torch. A call
 whose inputs require grad is checked for the backward too, before the forward runs.
 
+`trace=Trace()` runs the forward kernel compiled with its TRACE flag and fills the trace with
+the simulation's schema (`fp4lab.kernels.trace`: which columns come from the kernel, which
+from the host, which are not written); uninstrumented calls compile the kernel without it.
+
 What the kernels do not cover yet raises `NotImplementedError` naming it, before anything
-runs: the trace, masks other than causal, inputs other than bf16/fp16, dropout, the recipe
-mechanisms `fp4lab.kernels.flash` lists, and the backward's (`check_backward`: Hadamard
-transforms and 2-D blocks on its operands, fixed scales or other block formats on P and dS
-than the kernel quantizes). Nothing falls back to the reference.
+runs: a trace with an explicit reference_dtype, masks other than causal, inputs other than
+bf16/fp16, dropout, the recipe mechanisms `fp4lab.kernels.flash` lists, and the backward's
+(`check_backward`: Hadamard transforms and 2-D blocks on its operands, fixed scales or other
+block formats on P and dS than the kernel quantizes). Nothing falls back to the reference.
 """
 
 from __future__ import annotations

@@ -38,7 +38,15 @@ difference), fill Attn-QAT's second output O' (the unquantized P's) and save the
 reference each key tile used (for a backward that replays the forward's own P^); none of
 these changes O or the natural-units lse.
 
-What is not here yet (asking for it raises, never falls back): the trace, two-level P,
+Instrumentation (TRACE, a compile-time flag, off by default). Compiled with it, each key tile
+writes its statistics of P and P^ to small buffers (`TraceBuffers`: the sums and counts of
+`FORWARD_STATS` per (batch x head, query tile, key tile), each row's flushed mass per key
+tile, the softmax denominator's error per query tile), computed after P is quantized by a
+helper of their own (`_trace_p_tile`), which recounts what the quantizer saw (`_p_counts`)
+rather than changing it; `fp4lab.kernels.trace` turns them into the `Trace`. Without it the
+branch is eliminated at compile time: the hot loop is the uninstrumented kernel's.
+
+What is not here yet (asking for it raises, never falls back): two-level P,
 Direct-P's affine code map, P blocked along the queries, stochastic rounding of P and
 attn_mask.
 """

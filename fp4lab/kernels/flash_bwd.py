@@ -54,7 +54,8 @@ quantizer, along the keys.
 
 What is not here (each refused by `fp4lab.kernels.backend.check_backward` before anything
 runs): stochastic rounding, Hadamard transforms and 2-D blocks, fixed scales on P or dS,
-dropout and the trace.
+dropout. A traced call's backward runs uninstrumented: the trace keeps the forward's rows
+only (`fp4lab.kernels.trace`).
 """
 
 from __future__ import annotations
