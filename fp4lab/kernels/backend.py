@@ -396,20 +396,22 @@ class _TritonAttention(torch.autograd.Function):
                 qp, kp, vp, (qpf, kpf, vpf), PQuantizer(MODE=0), out_dtype=torch.float32,
                 **tiles,
             )  # fmt: skip
-            record_forward(trace, recipe, (q, k, v), bufs, (o, lse), exact, dict(**tiles,
-                           mode=pq.MODE))  # fmt: skip
+            ctx.trace_call = record_forward(
+                trace, recipe, (q, k, v), bufs, (o, lse), exact, dict(**tiles, mode=pq.MODE)
+            )
         out = o.to(q.dtype)
         if grads:  # the outputs as returned (in q's dtype): D reads them so, as the simulation
             o_prime = out if o_prime is None else o_prime.to(q.dtype)
             m_ref = lse if m_ref is None else m_ref
             ctx.save_for_backward(q, k, v, qs, ks, vs, *factors, out, o_prime, lse, m_ref)
             ctx.call = (recipe, causal, scale, block_m, block_n)
+            ctx.traced = trace is not None
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        from fp4lab.kernels.flash_bwd import attention_backward
+        from fp4lab.kernels.flash_bwd import attention_backward, trace_buffers
 
         q, k, v, qs, ks, vs, qf, kf, vf, out, o_prime, lse, m_ref = ctx.saved_tensors
         recipe, causal, scale, block_m, block_n = ctx.call
@@ -418,12 +420,22 @@ class _TritonAttention(torch.autograd.Function):
             q=q, k=k, v=v, q_hat=(qs, qf), k_hat=(ks, kf), v_hat=(vs, vf), o=out, lse=lse,
             o_prime=o_prime,
         )  # fmt: skip
+        bufs = None
+        if ctx.traced:  # the instrumented kernels (TRACE), their statistics into bufs
+            bufs = trace_buffers(*q.shape[:3], k.shape[2], block_m, block_n, q.device)
+        quantizers = backward_quantizers(recipe)
         dq, dk, dv = attention_backward(
-            backward_operands(do, saved, recipe), *backward_quantizers(recipe), causal=causal,
+            backward_operands(do, saved, recipe), *quantizers, causal=causal, trace=bufs,
             scale=scale, block_m=block_m, block_n=block_n, ds_from_dv=recipe.ds_p is DsP.DV_OPERAND,
             m_ref=m_ref if replay else None,
             leakage_block=recipe.leakage_block if replay and recipe.leakage_fix and causal else 0,
         )  # fmt: skip
+        if bufs is not None:
+            from fp4lab.kernels.trace import record_backward
+
+            modes = dict(zip(("dv", "dq", "dk"), (tq.pq.MODE for tq in quantizers), strict=True))
+            tiles = dict(causal=causal, block_m=block_m, block_n=block_n)
+            record_backward(ctx.trace_call, recipe, (q, k, v, do), bufs, lse, modes, tiles)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 

@@ -855,8 +855,8 @@ _REFERENCES = {"running": 0, "anchor": 1, "zero": 2}
 # elements, its blocks with a nonzero and those whose scale under- or overflowed, NaNs of P^,
 # of the tile's P^ V^ and of its masked scores; and per query tile (`OUT_STATS`).
 FORWARD_STATS = (
-    "p_nonzero", "p_kept", "p_diff2", "p_norm2", "p_clipped", "p_blocks", "p_underflow",
-    "p_overflow", "p_nan", "pv_nan", "qk_nan",
+    "nonzero", "kept", "diff2", "norm2", "clipped", "blocks", "underflow", "overflow", "nan",
+    "pv_nan", "qk_nan",
 )  # fmt: skip
 OUT_STATS = ("row_sum_err_sum", "rows")
 

@@ -1,4 +1,4 @@
-"""The Triton backend's `Trace`: the instrumented forward's buffers as the simulation's schema.
+"""The Triton backend's `Trace`: the instrumented kernels' buffers as the simulation's schema.
 
 What. `fp4lab.attention(..., backend="triton", trace=t)` fills `t` with the rows and columns
 `backend="reference"` writes (`fp4lab.recipes.trace`: same names, same definitions, same
@@ -6,30 +6,40 @@ index columns), so a notebook switches path with one argument. The forward kerne
 with its TRACE flag (`fp4lab.kernels.flash`), writes per (batch, head, query tile, key tile)
 sums and counts of P and P^ taken from its registers right after P is quantized
 (`FORWARD_STATS`), each row's flushed probability mass per key tile, and per query tile the
-softmax denominator's error; `record_forward` turns them into columns here.
+softmax denominator's error; once `backward()` runs, the backward's dK/dV and dQ kernels,
+compiled with theirs (`fp4lab.kernels.flash_bwd`), write the same sums and counts of P in dV
+and of dS in dK and in dQ (`BACKWARD_STATS`). `record_forward` and `record_backward` turn
+them into columns here.
 
 Where each column comes from.
-- ``pv``'s P columns (``a_err``, ``a_flushed``, ``a_clipped``, ``a_scale_underflow``,
-  ``a_scale_overflow``, ``a_nan``), ``p_mass_lost``, ``prod_nan`` of ``qk`` and ``pv``, and
-  the out rows' ``row_sum_err``: the kernel. Counts are exact where P^ is the simulation's
-  (the same quantizer arithmetic; a P element within float rounding of a rounding boundary,
-  where the two paths' differently ordered score sums disagree, moves a count by one), sums
-  agree up to the order of their fp32 additions (exp2 of log2-unit scores against exp).
-- Q, K and V's operand columns (``qk``'s a_ and b_, ``pv``'s b_): on the host, from the
-  unquantized operands and `fp4lab.formats`' quantizer (which the kernels' fused quantizer
-  equals bit for bit) with `fp4lab.recipes.tile_stats`, the simulation's own functions: one
-  pass over each operand, no attention-sized work.
-- ``out_nan``: on the host, from the output (a NaN stays NaN through its bf16 cast).
-- Not written, NaN in the frame and listed in each call's ``meta["not_computed"]``:
-  ``prod_err`` of qk and pv, ``out_err`` and ``lse_err`` (each needs a reference product or
-  exact attention beside the kernel's, a second attention's work), and every backward row
-  (dv, dp, dq, dk: the backward kernels are not instrumented yet). A `Trace` created with an
-  explicit ``reference_dtype`` asks for those references and is refused.
+- The in-register operands' columns, ``a_err``, ``a_flushed``, ``a_clipped``,
+  ``a_scale_underflow``, ``a_scale_overflow``, ``a_nan`` of ``pv`` (P), ``dv`` (P), ``dq``
+  and ``dk`` (dS), and ``p_mass_lost``, ``prod_nan`` of ``qk`` and ``pv``, the out rows'
+  ``row_sum_err``: the kernels. Counts are exact where the quantized operand is the
+  simulation's (the same quantizer arithmetic; an element within float rounding of a
+  rounding boundary, where the paths' differently ordered sums disagree, moves a count by
+  one: with a per-tile tensor scale the tile's largest element sits on the saturation
+  boundary by construction, so ``a_clipped`` may differ by that one element), sums agree up
+  to the order of their fp32 additions (exp2 of log2-unit scores against exp).
+- The whole-tensor operands' columns (Q, K, V in qk and pv; dO, V, K, Q in dv, dp, dq, dk):
+  on the host, from the unquantized operands and `fp4lab.formats`' quantizer (which the
+  kernels' fused quantizer equals bit for bit) with `fp4lab.recipes.tile_stats`, the
+  simulation's own functions: one pass over each operand.
+- ``out_err``, ``lse_err``: on the host, against exact attention computed by the same forward
+  kernel on the unquantized inputs (a second forward launch). Its P V multiplies P in 16 bits
+  (two bf16 halves) on a GPU, so O_ref carries a relative ~1e-5 (the simulation's float32
+  reference ~1e-7): far below any FP8 or FP4 error. ``out_nan``: from the fp32 output.
+- Not written, NaN in the frame and listed in each call's ``meta["not_computed"]``
+  (`NOT_COMPUTED`): every ``prod_err`` (a product tile's error needs the same product on the
+  unquantized operands beside the kernel's, another matmul per tile), the backward products'
+  ``prod_nan``, and ``p_fwd_mismatch``. A `Trace` created with an explicit ``reference_dtype``
+  asks for reference products and is refused.
 
-Memory. The buffers are small (n_q x n_k x 11 floats per head) except the flushed mass,
-which is per query row (Sq x n_k floats per head, block_n times smaller than the scores): a
-row's mass counts in units of its final softmax denominator, known only after its last key
-tile, so the kernel keeps log2(mass) + m per (row, key tile) and the host divides at the end.
+Memory. The buffers are small (n_q x n_k x 11 floats per head and product) except the
+forward's flushed mass, which is per query row (Sq x n_k floats per head, block_n times
+smaller than the scores): a row's mass counts in units of its final softmax denominator,
+known only after its last key tile, so the kernel keeps log2(mass) + m per (row, key tile) and
+the host divides at the end. (The backward's P is normalized already: a sum per tile.)
 """
 
 from __future__ import annotations
@@ -40,7 +50,15 @@ from types import SimpleNamespace
 import torch
 
 from fp4lab.formats import FloatFormat, quantize_blocks, round_to_format
-from fp4lab.recipes import AttentionRecipe, Product, TensorScope, Trace
+from fp4lab.recipes import (
+    AttentionRecipe,
+    BackwardMode,
+    BackwardV,
+    Product,
+    TensorScope,
+    Trace,
+    TraceCall,
+)
 from fp4lab.recipes.tile_stats import (
     block_counts,
     fraction,
@@ -48,9 +66,12 @@ from fp4lab.recipes.tile_stats import (
     whole_stats,
 )
 
-__all__ = ["record_forward", "check_trace", "NOT_COMPUTED"]
+__all__ = ["record_forward", "record_backward", "check_trace", "NOT_COMPUTED"]
 
-NOT_COMPUTED = ("qk.prod_err", "pv.prod_err", "dv", "dp", "dq", "dk")
+NOT_COMPUTED = (
+    "qk.prod_err", "pv.prod_err", "dv.prod_err", "dv.prod_nan", "dv.p_fwd_mismatch",
+    "dp.prod_err", "dp.prod_nan", "dq.prod_err", "dq.prod_nan", "dk.prod_err", "dk.prod_nan",
+)  # fmt: skip
 
 
 def check_trace(trace) -> None:
@@ -89,7 +110,7 @@ def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exa
     rec = trace.begin(recipe.name, (B, Hk, G, nQ, nK), meta)
     heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
     st = {name: heads(bufs.stats[..., i]) for i, name in enumerate(FORWARD_STATS)}
-    like = st["p_nonzero"]  # (B, Hkv, G, nQ, nK)
+    like = st["nonzero"]  # (B, Hkv, G, nQ, nK)
     q_tiles = lambda x: _tiles(heads_of(x, B, Hk, G), bm)  # noqa: E731
     k_tiles = lambda x: _tiles(x, bn)  # noqa: E731
     qs = whole_stats(q.float(), _quantized(q, recipe, "q", G), lambda x: q_tiles(x))
@@ -102,7 +123,7 @@ def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exa
     qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_nan": st["qk_nan"]}
     rec.add(Product.QK, 0, 0, qk, visible)
     pv = {
-        **prefix(_p_columns(st, cfg["mode"]), "a"),
+        **prefix(_operand_columns(st, cfg["mode"]), "a"),
         **prefix(v_cols, "b"),
         "p_mass_lost": heads(_mass_lost(bufs.lost, lse2, bm)),
         "prod_nan": st["pv_nan"],
@@ -111,6 +132,64 @@ def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exa
     sums = bufs.out.double()  # (B, H, nQ, 2)
     out = {"row_sum_err": sums[..., 0] / sums[..., 1], **_out_errors(o, lse2, *exact, bm)}
     rec.add_out(0, {name: heads(value) for name, value in out.items()})
+    return rec
+
+
+def record_backward(
+    rec: TraceCall, recipe: AttentionRecipe, inputs, bufs: dict, lse2, modes: dict, cfg: dict
+) -> None:
+    """Add the backward's rows to the forward's record `rec`: `inputs` the unquantized
+    (q, k, v, do) (k smoothed), `bufs` the backward kernels' `trace_buffers`, lse2 the
+    forward's log-sum-exp (log2 units), `modes` the MODE of the quantizers of P in dV and of
+    dS in dQ and dK, `cfg` causal, block_m, block_n."""
+    from fp4lab.kernels.flash_bwd import BACKWARD_STATS
+
+    B, Hk, G, nQ, nK = rec.dims
+    bm, bn, Sq = cfg["block_m"], cfg["block_n"], lse2.shape[-1]
+    heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
+    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"], lse2.device)
+    rows = _tiles(torch.isfinite(lse2)[..., None].double(), bm).sum((-2, -1))
+    whole = _backward_operands(recipe, inputs, G, bm, bn)
+    like = heads(bufs["dv"][..., 0])
+    side = lambda name: {  # noqa: E731  an operand's tile columns, broadcast to (..., nQ, nK)
+        n: (c[..., None] if name in ("do_dv", "do_dp", "q_dk") else c[:, :, None, None])
+        .expand_as(like) for n, c in whole[name].items()
+    }  # fmt: skip
+    for product, key, b_name in (
+        (Product.DV, "dv", "do_dv"), (Product.DQ, "dq", "k_dq"), (Product.DK, "dk", "q_dk"),
+    ):  # fmt: skip
+        st = {name: heads(bufs[key][..., i]) for i, name in enumerate(BACKWARD_STATS)}
+        cols = {**prefix(_operand_columns(st, modes[key]), "a"), **prefix(side(b_name), "b")}
+        if product is Product.DV:  # P is normalized: the flushed mass is in final units
+            cols["p_mass_lost"] = st["lost"] / heads(rows)[..., None]
+        rec.add(product, 0, 0, cols, visible)
+    rec.add(Product.DP, 0, 0, {**prefix(side("do_dp"), "a"), **prefix(side("v_dp"), "b")},
+            visible)  # fmt: skip
+
+
+def _backward_operands(recipe: AttentionRecipe, inputs, G: int, bm: int, bn: int) -> dict:
+    """The operand columns (`whole_stats`) of the backward's whole-tensor operands, each the
+    unquantized tensor against its quantized form as the recipe's backward takes it: dO for
+    dV and dP, V for dP (or the forward's V^), K for dQ, Q for dK; the forward's Q^, K^, V^
+    in a straight-through backward."""
+    q, k, v, do = inputs
+    B, H = q.shape[:2]
+    q_tiles = lambda x: _tiles(heads_of(x, B, H // G, G), bm)  # noqa: E731
+    k_tiles = lambda x: _tiles(x, bn)  # noqa: E731
+    if recipe.backward is BackwardMode.FLASH:
+        v_src = v
+        if recipe.backward_v is BackwardV.FORWARD:  # the forward's V^, quantized again
+            v_src = _quantized(v, recipe, "v", 1).values
+        sources = {"v_dp": (v_src, "dp_v", 1), "k_dq": (k, "dq_k", 1), "q_dk": (q, "dk_q", G)}
+    else:  # straight through the forward's quantizers
+        sources = {"v_dp": (v, "v", 1), "k_dq": (k, "k", 1), "q_dk": (q, "q", G)}
+    sources.update(do_dv=(do, "dv_do", G), do_dp=(do, "dp_do", G))
+    plain = {"do_dv": do, "do_dp": do, "v_dp": v, "k_dq": k, "q_dk": q}
+    out = {}
+    for name, (x, field, groups) in sources.items():
+        tiler = q_tiles if groups == G and name != "k_dq" and name != "v_dp" else k_tiles
+        out[name] = whole_stats(plain[name].float(), _quantized(x, recipe, field, groups), tiler)
+    return out
 
 
 def _out_errors(o, lse2, o_ref, lse_ref, bm: int) -> dict:
@@ -130,23 +209,23 @@ def _out_errors(o, lse2, o_ref, lse_ref, bm: int) -> dict:
     }
 
 
-def _p_columns(st: dict, mode: int) -> dict:
-    """P's operand columns from the kernel's sums (`FORWARD_STATS`), as
-    `fp4lab.recipes.tile_stats.operand_stats` defines them; `mode` the PQuantizer's MODE
-    (0 none: no clipping, 1 a cast: no block scales, 2 block scales and 3 Direct-P: both)."""
-    diff, norm = st["p_diff2"].sqrt(), st["p_norm2"].sqrt()
-    nonzero = st["p_nonzero"]
+def _operand_columns(st: dict, mode: int) -> dict:
+    """An in-register operand's columns from a kernel's sums (`BACKWARD_STATS`' names), as
+    `fp4lab.recipes.tile_stats.operand_stats` defines them; `mode` its quantizer's MODE
+    (0 none: no clipping; 1 a cast and 5 bf16: no block scales; 2 block scales, 3 Direct-P
+    and 4 one FP32 scale per tile: both)."""
+    diff, norm = st["diff2"].sqrt(), st["norm2"].sqrt()
+    nonzero = st["nonzero"]
     cols = {
         "err": torch.where(diff == 0, 0.0, diff / norm),
-        "flushed": fraction(nonzero - st["p_kept"], nonzero),
-        "nan": st["p_nan"],
-        "clipped": fraction(st["p_clipped"], nonzero) if mode else torch.zeros_like(diff),
+        "flushed": fraction(nonzero - st["kept"], nonzero),
+        "nan": st["nan"],
+        "clipped": fraction(st["clipped"], nonzero) if mode else torch.zeros_like(diff),
     }
-    for name, key in (("scale_underflow", "p_underflow"), ("scale_overflow", "p_overflow")):
-        scaled = mode in (2, 3)
-        cols[name] = (
-            fraction(st[key], st["p_blocks"]) if scaled else torch.full_like(diff, math.nan)
-        )
+    for name in ("underflow", "overflow"):
+        scaled = mode in (2, 3, 4)
+        nan = torch.full_like(diff, math.nan)
+        cols[f"scale_{name}"] = fraction(st[name], st["blocks"]) if scaled else nan
     return cols
 
 
