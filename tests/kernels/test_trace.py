@@ -182,6 +182,19 @@ def test_a_different_p_quantizer_is_caught():
         compare(ref, tri, trace.calls[0].meta)
 
 
+def test_a_different_ds_quantizer_is_caught():
+    # MXFP4 dS in dQ on the Triton side: dq's dS columns must differ, the others not
+    nvfp4 = resolve_recipe("nvfp4")
+    other = dataclasses.replace(nvfp4, name="nvfp4", dq_ds=MXFP4)
+    q, k, v = inputs(1, 2, 2, 64, 64, 32, seed=6)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(11)).to(q)
+    ref, tri, trace = traces(q, k, v, nvfp4, triton_recipe=other, do=do, block_m=32, block_n=32)
+    with pytest.raises(AssertionError, match=r"a_\w+: \d+ tiles differ; first \{'product': 'dq'"):
+        compare(ref, tri, trace.calls[0].meta)
+    keep = lambda f: f[f["product"] != "dq"]  # noqa: E731
+    compare(keep(ref), keep(tri), trace.calls[0].meta)
+
+
 def test_the_uninstrumented_call_compiles_trace_off(monkeypatch):
     # TRACE defaults to False in the kernel's signature and only a traced call sets it
     params = inspect.signature(flash._attn_fwd.fn).parameters
