@@ -54,8 +54,14 @@ quantizer, along the keys.
 
 What is not here (each refused by `fp4lab.kernels.backend.check_backward` before anything
 runs): stochastic rounding, Hadamard transforms and 2-D blocks, fixed scales on P or dS,
-dropout. A traced call's backward runs uninstrumented: the trace keeps the forward's rows
-only (`fp4lab.kernels.trace`).
+dropout.
+
+Instrumentation (TRACE, a compile-time flag, off by default). Compiled with it, the dK/dV
+kernel writes each tile's statistics of P in dV and of dS in dK, the dQ kernel those of dS in
+dQ (`BACKWARD_STATS`, into `trace_buffers`), computed after the operand is quantized by a
+helper of their own (`_trace_tile`) that recounts what the quantizer saw; without it the
+branches are eliminated at compile time. `fp4lab.kernels.trace` turns them into the trace's
+dv, dp, dq and dk rows.
 """
 
 from __future__ import annotations
