@@ -384,7 +384,7 @@ class _TritonAttention(torch.autograd.Function):
         tiles = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)
         o, lse = attention_forward(
             qs, ks, vs_kernel, factors, pq, lse_log2=True, o_prime=o_prime, m_ref=m_ref,
-            trace=bufs, out_dtype=torch.float32 if bufs else None,
+            trace=bufs, out_dtype=None if bufs is None else torch.float32,
             **tiles, **forward_options(recipe, causal, v),
         )  # fmt: skip
         if trace is not None:

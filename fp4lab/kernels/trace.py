@@ -94,9 +94,7 @@ def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exa
     (`mode`)."""
     from fp4lab.kernels.flash import FORWARD_STATS
 
-    o, lse2 = out
-
-    q, k, v = inputs
+    (o, lse2), (q, k, v) = out, inputs
     B, H, Sq, _ = q.shape
     Hk, Sk = k.shape[1], k.shape[2]
     G, bm, bn = H // Hk, cfg["block_m"], cfg["block_n"]
@@ -113,13 +111,13 @@ def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exa
     like = st["nonzero"]  # (B, Hkv, G, nQ, nK)
     q_tiles = lambda x: _tiles(heads_of(x, B, Hk, G), bm)  # noqa: E731
     k_tiles = lambda x: _tiles(x, bn)  # noqa: E731
-    qs = whole_stats(q.float(), _quantized(q, recipe, "q", G), lambda x: q_tiles(x))
+    qs = whole_stats(q.float(), _quantized(q, recipe, "q", G), q_tiles)
     ks = whole_stats(k.float(), _quantized(k, recipe, "k", 1), k_tiles)
     vs = whole_stats(v.float(), _quantized(v, recipe, "v", 1), k_tiles)
     q_cols = {n: c[..., None].expand_as(like) for n, c in qs.items()}  # (B, Hkv, G, nQ, 1)
     k_cols = {n: c[:, :, None, None].expand_as(like) for n, c in ks.items()}
     v_cols = {n: c[:, :, None, None].expand_as(like) for n, c in vs.items()}
-    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"], like.device)
+    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
     qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_nan": st["qk_nan"]}
     rec.add(Product.QK, 0, 0, qk, visible)
     pv = {
@@ -147,7 +145,7 @@ def record_backward(
     B, Hk, G, nQ, nK = rec.dims
     bm, bn, Sq = cfg["block_m"], cfg["block_n"], lse2.shape[-1]
     heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
-    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"], lse2.device)
+    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
     rows = _tiles(torch.isfinite(lse2)[..., None].double(), bm).sum((-2, -1))
     whole = _backward_operands(recipe, inputs, G, bm, bn)
     like = heads(bufs["dv"][..., 0])
@@ -238,13 +236,13 @@ def _mass_lost(lost: torch.Tensor, lse2: torch.Tensor, bm: int) -> torch.Tensor:
     return _tiles(mass, bm).sum(-2) / count[..., None]
 
 
-def _visible(nQ, nK, Sq, bm, bn, causal, device) -> torch.Tensor:
-    """(nQ, nK) bool: the tiles the kernel visits (a causal mask skips those past the last
-    row's key)."""
+def _visible(nQ, nK, Sq, bm, bn, causal) -> torch.Tensor:
+    """(nQ, nK) bool on the CPU (where `TraceCall` keeps its tables): the tiles the kernel
+    visits (a causal mask skips those whose first key comes after the tile's last row)."""
     if not causal:
-        return torch.ones(nQ, nK, dtype=torch.bool, device=device)
-    last = torch.clamp(torch.arange(1, nQ + 1, device=device) * bm, max=Sq) - 1  # each tile's
-    return torch.arange(nK, device=device)[None, :] * bn <= last[:, None]
+        return torch.ones(nQ, nK, dtype=torch.bool)
+    last = torch.clamp(torch.arange(1, nQ + 1) * bm, max=Sq) - 1  # each tile's last row
+    return torch.arange(nK)[None, :] * bn <= last[:, None]
 
 
 def heads_of(x: torch.Tensor, B: int, Hk: int, G: int) -> torch.Tensor:
