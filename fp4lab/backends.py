@@ -47,9 +47,8 @@ def attention(
     Raises:
         NotImplementedError: backend="triton" for what its kernels do not run yet (some
             recipe mechanisms of the forward or the backward, a trace with an explicit
-            reference_dtype), or without triton installed. Its trace leaves ``prod_err``,
-            the backward products' ``prod_nan`` and ``p_fwd_mismatch`` NaN
-            (`fp4lab.kernels.trace`).
+            reference_dtype), or without triton installed. Its trace leaves some columns
+            NaN (``prod_err`` of pv, dv, dq, dk, ...: `fp4lab.kernels.trace`).
         ValueError: any other backend than "reference" or "triton".
     """
     if backend not in BACKENDS:

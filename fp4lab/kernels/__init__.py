@@ -17,7 +17,8 @@ What exists:
   `flash_bwd` kernels compiled with their TRACE flag write them to small buffers) as the
   simulation's `Trace` schema, so that `trace=Trace()` fills the same frame on either
   backend; its docstring says where each column comes from and lists those it does not
-  write (every ``prod_err``, the backward products' ``prod_nan``, ``p_fwd_mismatch``).
+  write (``prod_err`` of pv, dv, dq, dk, the backward products' ``prod_nan``,
+  ``p_fwd_mismatch``).
 
 Not yet: the recipe mechanisms `fp4lab.kernels.flash` and
 `fp4lab.kernels.backend.check_backward` list; asking for them raises `NotImplementedError`

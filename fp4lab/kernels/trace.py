@@ -29,11 +29,15 @@ Where each column comes from.
   kernel on the unquantized inputs (a second forward launch). Its P V multiplies P in 16 bits
   (two bf16 halves) on a GPU, so O_ref carries a relative ~1e-5 (the simulation's float32
   reference ~1e-7): far below any FP8 or FP4 error. ``out_nan``: from the fp32 output.
+- ``prod_err`` of qk and dp, whose operands are whole tensors: on the host as the simulation
+  computes it, from the tiles' float64 Gram matrices (`fp4lab.recipes.tile_stats.gram_errors`,
+  O(S E^2) work) where a tile has nothing masked, and from both products in float32 over the
+  allowed entries of the masked tiles (the causal band, ragged last tiles).
 - Not written, NaN in the frame and listed in each call's ``meta["not_computed"]``
-  (`NOT_COMPUTED`): every ``prod_err`` (a product tile's error needs the same product on the
-  unquantized operands beside the kernel's, another matmul per tile), the backward products'
-  ``prod_nan``, and ``p_fwd_mismatch``. A `Trace` created with an explicit ``reference_dtype``
-  asks for reference products and is refused.
+  (`NOT_COMPUTED`): ``prod_err`` of pv, dv, dq, dk (an in-register operand's product error
+  needs the same product on the unquantized operand beside the kernel's, more matmuls per
+  tile), the backward products' ``prod_nan``, and ``p_fwd_mismatch``. A `Trace` created
+  with an explicit ``reference_dtype`` asks for reference products and is refused.
 
 Memory. The buffers are small (n_q x n_k x 11 floats per head and product) except the
 forward's flushed mass, which is per query row (Sq x n_k floats per head, block_n times
@@ -62,15 +66,18 @@ from fp4lab.recipes import (
 from fp4lab.recipes.tile_stats import (
     block_counts,
     fraction,
+    gram_errors,
+    grams,
     prefix,
+    product_stats,
     whole_stats,
 )
 
 __all__ = ["record_forward", "record_backward", "check_trace", "NOT_COMPUTED"]
 
 NOT_COMPUTED = (
-    "qk.prod_err", "pv.prod_err", "dv.prod_err", "dv.prod_nan", "dv.p_fwd_mismatch",
-    "dp.prod_err", "dp.prod_nan", "dq.prod_err", "dq.prod_nan", "dk.prod_err", "dk.prod_nan",
+    "pv.prod_err", "dv.prod_err", "dv.prod_nan", "dv.p_fwd_mismatch", "dp.prod_nan",
+    "dq.prod_err", "dq.prod_nan", "dk.prod_err", "dk.prod_nan",
 )  # fmt: skip
 
 
@@ -80,9 +87,10 @@ def check_trace(trace) -> None:
         raise TypeError(f"trace must be an fp4lab Trace or None, got {type(trace).__name__}")
     if trace.reference_dtype is not None:
         raise NotImplementedError(
-            f"trace: reference_dtype={trace.reference_dtype} asks for reference products and "
-            "exact attention (prod_err, out_err, lse_err), which the Triton backend does not "
-            "compute; use Trace() (those columns stay NaN) or backend='reference'"
+            f"trace: reference_dtype={trace.reference_dtype}: the Triton backend takes its "
+            "references in fixed precisions (exact attention on its kernel in fp32, the qk and "
+            "dp products from float64 Gram matrices) and cannot take another; use Trace() or "
+            "backend='reference'"
         )
 
 
@@ -111,14 +119,17 @@ def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exa
     like = st["nonzero"]  # (B, Hkv, G, nQ, nK)
     q_tiles = lambda x: _tiles(heads_of(x, B, Hk, G), bm)  # noqa: E731
     k_tiles = lambda x: _tiles(x, bn)  # noqa: E731
-    qs = whole_stats(q.float(), _quantized(q, recipe, "q", G), q_tiles)
-    ks = whole_stats(k.float(), _quantized(k, recipe, "k", 1), k_tiles)
+    q_hat, k_hat = _quantized(q, recipe, "q", G), _quantized(k, recipe, "k", 1)
+    qs = whole_stats(q.float(), q_hat, q_tiles)
+    ks = whole_stats(k.float(), k_hat, k_tiles)
     vs = whole_stats(v.float(), _quantized(v, recipe, "v", 1), k_tiles)
     q_cols = {n: c[..., None].expand_as(like) for n, c in qs.items()}  # (B, Hkv, G, nQ, 1)
     k_cols = {n: c[:, :, None, None].expand_as(like) for n, c in ks.items()}
     v_cols = {n: c[:, :, None, None].expand_as(like) for n, c in vs.items()}
     visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
-    qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_nan": st["qk_nan"]}
+    qk_err = _product_errors((q, q_hat.values), (k, k_hat.values), cfg["scale"], cfg, G)
+    qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_err": qk_err,
+          "prod_nan": st["qk_nan"]}  # fmt: skip
     rec.add(Product.QK, 0, 0, qk, visible)
     pv = {
         **prefix(_operand_columns(st, cfg["mode"]), "a"),
@@ -161,8 +172,10 @@ def record_backward(
         if product is Product.DV:  # P is normalized: the flushed mass is in final units
             cols["p_mass_lost"] = st["lost"] / heads(rows)[..., None]
         rec.add(product, 0, 0, cols, visible)
-    rec.add(Product.DP, 0, 0, {**prefix(side("do_dp"), "a"), **prefix(side("v_dp"), "b")},
-            visible)  # fmt: skip
+    (do, do_hat), (v, v_hat) = whole["do_dp"].pop("operands"), whole["v_dp"].pop("operands")
+    dp_err = _product_errors((do, do_hat), (v, v_hat), 1.0, cfg, G)
+    rec.add(Product.DP, 0, 0, {**prefix(side("do_dp"), "a"), **prefix(side("v_dp"), "b"),
+                               "prod_err": dp_err}, visible)  # fmt: skip
 
 
 def _backward_operands(recipe: AttentionRecipe, inputs, G: int, bm: int, bn: int) -> dict:
@@ -186,8 +199,41 @@ def _backward_operands(recipe: AttentionRecipe, inputs, G: int, bm: int, bn: int
     out = {}
     for name, (x, field, groups) in sources.items():
         tiler = q_tiles if groups == G and name != "k_dq" and name != "v_dp" else k_tiles
-        out[name] = whole_stats(plain[name].float(), _quantized(x, recipe, field, groups), tiler)
+        quant = _quantized(x, recipe, field, groups)
+        out[name] = whole_stats(plain[name].float(), quant, tiler)
+        if name in ("do_dp", "v_dp"):  # dP's operands, for its prod_err
+            out[name]["operands"] = (plain[name], quant.values)
     return out
+
+
+def _product_errors(a: tuple, b: tuple, scale: float, cfg: dict, G: int) -> torch.Tensor:
+    """``prod_err`` (B, Hkv, G, nQ, nK) of y^ = scale A^ B^^T against y = scale A B^T for
+    whole-tensor operands a = (A, A^) (B, H, Sq, E) and b = (B, B^) (B, Hkv, Sk, E) (S and
+    dP), as the simulation computes it: from the tiles' float64 Gram matrices
+    (`gram_errors`) where a tile has nothing masked, from both products in float32 over the
+    allowed entries where it has (the causal band, ragged last tiles), in chunks of tiles."""
+    (x, x_hat), (z, z_hat) = a, b
+    B, H, Sq = x.shape[:3]
+    Sk, bm, bn = z.shape[2], cfg["block_m"], cfg["block_n"]
+    q_tiles = lambda t: _tiles(heads_of(t.float(), B, H // G, G), bm)  # noqa: E731
+    k_tiles = lambda t: _tiles(t.float(), bn)  # noqa: E731
+    err = gram_errors(grams(x, x_hat, q_tiles), grams(z, z_hat, k_tiles))
+    nQ, nK = err.shape[-2:]
+    rows, keys = torch.arange(nQ * bm), torch.arange(nK * bn)
+    allowed = (rows[:, None] < Sq) & (keys[None, :] < Sk)  # (nQ bm, nK bn)
+    if cfg["causal"]:
+        allowed &= keys[None, :] <= rows[:, None]
+    tiles = allowed.reshape(nQ, bm, nK, bn).transpose(1, 2)  # (nQ, nK, bm, bn)
+    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
+    masked = (~tiles.all((-2, -1)) & visible).nonzero()  # (M, 2): (i, j) of masked tiles
+    xs, xh, zs, zh = q_tiles(x), q_tiles(x_hat), k_tiles(z), k_tiles(z_hat)
+    for chunk in masked.split(64):
+        i, j = chunk[:, 0].to(err.device), chunk[:, 1].to(err.device)
+        keep = tiles[chunk[:, 0], chunk[:, 1]].to(err.device)  # (M, bm, bn)
+        y = _tile_pairs(xh, zh, i, j, scale).masked_fill(~keep, 0)  # (B, Hkv, G, M, bm, bn)
+        y_ref = _tile_pairs(xs, zs, i, j, scale).masked_fill(~keep, 0)
+        err[:, :, :, i, j] = product_stats(y, y_ref, overwrite=True)["prod_err"]
+    return err
 
 
 def _out_errors(o, lse2, o_ref, lse_ref, bm: int) -> dict:
@@ -234,6 +280,12 @@ def _mass_lost(lost: torch.Tensor, lse2: torch.Tensor, bm: int) -> torch.Tensor:
     mass = torch.where(rows[..., None], torch.exp2(lost.double() - lse2.double()[..., None]), 0.0)
     count = _tiles(rows[..., None].double(), bm).sum((-2, -1))  # (B, H, nQ)
     return _tiles(mass, bm).sum(-2) / count[..., None]
+
+
+def _tile_pairs(p, r, i, j, scale: float) -> torch.Tensor:
+    """scale P_i R_j^T of the tile pairs (i[m], j[m]): p (B, Hkv, G, nQ, bm, E), r
+    (B, Hkv, nK, bn, E) -> (B, Hkv, G, M, bm, bn)."""
+    return (p[:, :, :, i] @ r[:, :, None, j].transpose(-1, -2)) * scale
 
 
 def _visible(nQ, nK, Sq, bm, bn, causal) -> torch.Tensor:

@@ -16,6 +16,8 @@ __all__ = [
     "operand_stats",
     "product_stats",
     "whole_stats",
+    "grams",
+    "gram_errors",
     "block_counts",
     "exact_count",
     "prefix",
@@ -152,3 +154,29 @@ def block_counts(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) 
         mark[..., 0] = flag
         marks[name] = layout.from_blocks(mark)
     return {"clipped": layout.from_blocks(clipped.bool()), **marks}
+
+
+def grams(x: torch.Tensor, x_hat: torch.Tensor, tiler) -> tuple:
+    """Per-tile Gram matrices of a whole-tensor operand in float64, flattened, for
+    `gram_errors`: (X^T X, X^^T X, X^^T X^), each (..., tiles, E * E)."""
+    t, th = tiler(x).double(), tiler(x_hat).double()
+    gram = lambda a, b: (a.transpose(-1, -2) @ b).flatten(-2)  # noqa: E731
+    return gram(t, t), gram(th, t), gram(th, th)
+
+
+def gram_errors(a: tuple, b: tuple) -> torch.Tensor:
+    """``prod_err`` of every tile pair (i, j) of y^ = A^_i B^_j^T against y = A_i B_j^T
+    (S = Q K^T, dP = dO V^T), in float64 from the tiles' Gram matrices (`grams` of the
+    query-side operand A, (B, Hkv, G, n, E * E), and the key-side operand B, (B, Hkv, g,
+    E * E)), never forming y: ||y||^2 = <A^T A, B^T B>, <y^, y> = <A^^T A, B^^T B>,
+    ||y^||^2 = <A^^T A^, B^^T B^>, ||y^ - y||^2 = ||y^||^2 - 2 <y^, y> + ||y||^2. This is
+    the exact product of the quantized operands against the exact product of the unquantized
+    ones (a path's own float32 rounding of y^, ~1e-7, is not in it), with float64 rounding:
+    errors from about 1e-7 up are resolved. Returns (B, Hkv, G, n, g)."""
+
+    def inner(x, z):  # <x_i, z_j> for every pair
+        return x @ z.transpose(-1, -2)[:, :, None]
+
+    ref, cross, quant = (inner(x, z) for x, z in zip(a, b, strict=True))
+    err2 = (quant - 2 * cross + ref).clamp_(min=0)
+    return torch.where(err2 == 0, 0.0, (err2 / ref).sqrt())
