@@ -520,7 +520,7 @@ def _p_counts(
 
 @triton.jit
 def _trace_p_tile(
-    p, p_used, z, qk, pv, m_use, rows, offs_m, stats_ptr, lost_ptrs,
+    p, p_used, z, qk, pv, m_use, rows, stats_ptr, lost_ptrs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     LIFT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
@@ -694,8 +694,8 @@ def _fwd_inner(
             if MASKED and LEAK > 0:
                 p_used = tl.where(diagonal, p, p_used)
             _trace_p_tile(
-                p, p_used, z, qk, pv, m_use, rows, offs_m, stats_base + (start_n // BLOCK_N)
-                * N_STATS, lost_base + offs_m * n_k + start_n // BLOCK_N, BLOCK_M, BLOCK_N,
+                p, p_used, z, qk, pv, m_use, rows, stats_base + (start_n // BLOCK_N) * N_STATS,
+                lost_base + offs_m * n_k + start_n // BLOCK_N, BLOCK_M, BLOCK_N,
                 MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH,
                 TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
             )
