@@ -111,7 +111,8 @@ def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exa
         "backend": "triton", "shape_q": tuple(q.shape), "Sk": Sk, "kv_heads": Hk,
         "v_dim": v.shape[-1], "dtype": str(q.dtype), "causal": cfg["causal"],
         "scale": cfg["scale"], "block_m": bm, "block_n": bn, "masked": False, "dropout_p": 0.0,
-        "not_computed": NOT_COMPUTED,
+        "not_computed": NOT_COMPUTED, "reference_dtype": torch.float32, "seed": None,
+        "generator_initial_seed": None,
     }  # fmt: skip
     rec = trace.begin(recipe.name, (B, Hk, G, nQ, nK), meta)
     heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
@@ -275,11 +276,12 @@ def _operand_columns(st: dict, mode: int) -> dict:
 
 def _mass_lost(lost: torch.Tensor, lse2: torch.Tensor, bm: int) -> torch.Tensor:
     """``p_mass_lost`` (B, H, nQ, nK): each row's flushed mass 2^(log2 mass + m - lse) in
-    units of its final probabilities, averaged over the tile's rows whose lse is finite."""
+    units of its final probabilities, averaged over the tile's rows whose lse is finite (in
+    fp32, summed in float64: `lost` is Sq x nK per head, the largest buffer of the trace)."""
     rows = torch.isfinite(lse2)  # (B, H, Sq)
-    mass = torch.where(rows[..., None], torch.exp2(lost.double() - lse2.double()[..., None]), 0.0)
+    mass = torch.where(rows[..., None], torch.exp2(lost - lse2[..., None]), 0.0)
     count = _tiles(rows[..., None].double(), bm).sum((-2, -1))  # (B, H, nQ)
-    return _tiles(mass, bm).sum(-2) / count[..., None]
+    return _tiles(mass, bm).sum(-2, dtype=torch.float64) / count[..., None]
 
 
 def _tile_pairs(p, r, i, j, scale: float) -> torch.Tensor:
