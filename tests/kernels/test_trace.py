@@ -40,7 +40,7 @@ import torch
 import fp4lab
 from fp4lab.analysis import attention as reference_attention
 from fp4lab.formats import MXFP4
-from fp4lab.recipes import STATISTICS, Trace, resolve_recipe
+from fp4lab.recipes import STATISTICS, KVOrder, RowReference, Trace, resolve_recipe
 
 pytest.importorskip("triton")
 
@@ -159,6 +159,21 @@ def test_grouped_query_heads_and_longer_rows(recipe):
     ref, tri, trace = traces(q, k, v, recipe, do=do, causal=True, block_m=32, block_n=32)
     compare(ref, tri, trace.calls[0].meta)
     assert set(tri["kv_head"]) == {0, 1} and set(tri["head"]) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [dict(kv_order=KVOrder.REVERSE), dict(row_reference=RowReference.LAZY_MAX,
+                                          lazy_rescale_log2=8.0)],
+    ids=["reverse", "lazy_max"],
+)  # fmt: skip
+def test_key_order_and_lazy_rescaling(change):
+    # tiles visited last to first, and FA4's lazy maximum: P of a tile against another m
+    recipe = dataclasses.replace(resolve_recipe("nvfp4"), name="nvfp4_variant", **change)
+    q, k, v = inputs(1, 2, 1, 80, 72, 32, seed=3)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    ref, tri, trace = traces(q, k, v, recipe, do=do, causal=True, block_m=32, block_n=32)
+    compare(ref, tri, trace.calls[0].meta)
 
 
 def test_p_statistics_are_not_trivially_zero():
