@@ -31,8 +31,17 @@ simulation path's time per sample on CUDA (2 samples, scaled to 256) in the same
 first checked on 4 samples against the simulation's gradient_bias (the largest difference of
 the per-tensor rel_bias, and the samples' se for scale). Issue 9's goal: under 10 s.
 
+Also (`--trace`): the forward with instrumentation on beside off, B4 H16 S4096 D128 at the
+recipe's tiles: the kernel alone compiled with TRACE (per-tile statistics into its
+`TraceBuffers`) and without, and the whole `fp4lab.attention(..., trace=Trace())` call (the
+instrumented kernel, exact attention on the same kernel for out_err and lse_err, Q, K, V's
+statistics and the conversion into the `Trace` on the host), each beside SDPA; first checked
+against the simulation's trace on a slice (B1 H2 S1024: the largest difference of a P column,
+``a_flushed`` or ``p_mass_lost``). Issue 9's goal: NVFP4 at least 0.4x SDPA with it on.
+
     python benchmarks/bench_attention_gpu.py [--recipes exact nvfp4 ...] [--reference]
-        [--backward [--backward-recipes fa4fp4_causal ...]] [--no-kernels] [--out DIR]
+        [--backward [--backward-recipes fa4fp4_causal ...]]
+        [--trace [--trace-recipes nvfp4 ...]] [--no-kernels] [--out DIR]
         [--gradient-bias [--bias-recipes croissattn ...] [--bias-samples 256]]
 """
 
@@ -51,21 +60,26 @@ import triton.testing
 import fp4lab
 from fp4lab.analysis import attention as reference_attention
 from fp4lab.kernels import backend
-from fp4lab.kernels.flash import PQuantizer, attention_forward
-from fp4lab.recipes import resolve_recipe
+from fp4lab.kernels.flash import TraceBuffers, attention_forward
+from fp4lab.recipes import Trace, resolve_recipe
 
 SHAPE = dict(B=4, H=16, S=4096, D=128)
 CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3)]
 
 
-def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages):
-    """A closure running the kernel on operands prepared once, as the backend prepares them."""
+def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages, traced=False):
+    """A closure running the kernel on operands prepared once, as the backend prepares them;
+    `traced`: compiled with TRACE, writing its statistics into buffers allocated once."""
     qs, ks, vs, factors = backend.prepare(q, k, v, recipe, block_n)
-    pq = PQuantizer.of(recipe.p, recipe.p_lift)
+    pq = backend.p_quantizer(recipe)
     options = dict(
         causal=causal, scale=1 / math.sqrt(q.shape[-1]), block_m=block_m, block_n=block_n,
         num_warps=warps, num_stages=stages, **backend.forward_options(recipe, causal, v),
     )  # fmt: skip
+    if traced:
+        b, h, s = q.shape[:3]
+        options["trace"] = TraceBuffers.empty(b, h, s, k.shape[2], block_m, block_n, q.device)
+        options["out_dtype"] = torch.float32  # as the instrumented call writes it
     return lambda: attention_forward(qs, ks, vs, factors, pq, **options)[0]
 
 
@@ -100,11 +114,15 @@ def main() -> None:
                         help="time gradient_bias's samples on the kernels")  # fmt: skip
     parser.add_argument("--bias-recipes", nargs="+", default=["croissattn"])
     parser.add_argument("--bias-samples", type=int, default=256)
+    parser.add_argument("--trace", action="store_true", help="time the forward traced too")
+    parser.add_argument("--trace-recipes", nargs="+", default=["nvfp4", "fa4fp4_causal", "fa3_fp8"])
     args = parser.parse_args()
     if args.gradient_bias:
         gradient_bias_timing(args.bias_recipes, args.bias_samples, args.out)
     if args.reference:
         reference_on_cuda()
+    if args.trace:
+        traced_forward(args.trace_recipes, args.out)
     if args.backward:
         forward_backward(args.backward_recipes, args.out)
     if args.no_kernels:
@@ -199,6 +217,66 @@ def main() -> None:
                     "check": float("nan"),
                 }
             )
+
+
+def check_trace(recipe, causal) -> float:
+    """The Triton trace against the simulation's on a slice: the largest difference of the
+    P columns a_flushed and p_mass_lost over the tiles."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (
+        torch.randn(1, 2, 1024, 128, device="cuda", generator=g).bfloat16() for _ in range(3)
+    )
+    frames = []
+    for name in ("triton", "reference"):
+        trace = Trace()
+        fp4lab.attention(q, k, v, recipe, causal=causal, trace=trace, backend=name)
+        frame = trace.to_frame()
+        frames.append(frame[frame["product"] == "pv"].set_index(["head", "q_tile", "k_tile"]))
+    got, want = frames
+    cols = ["a_flushed", "p_mass_lost"]
+    return float((got[cols] - want.loc[got.index, cols]).abs().max().max())
+
+
+def traced_forward(recipes, out_dir) -> None:
+    """The forward with instrumentation on beside off, B4 H16 S4096 D128 bf16, each beside
+    SDPA: the kernel alone (TRACE off, on) and the whole traced fp4lab.attention call."""
+    b, h, s, d = SHAPE["B"], SHAPE["H"], SHAPE["S"], SHAPE["D"]
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    rows = []
+    print(f"forward with the trace, B{b} H{h} S{s} D{d} bf16; check = largest P-column "
+          "difference vs the simulation's trace on B1 H2 S1024")  # fmt: skip
+    print(f"{'recipe':16s} {'causal':6s} {'what':28s} {'ms':>8s} {'TFLOP/s':>8s} "
+          f"{'x SDPA':>7s} {'check':>8s}")  # fmt: skip
+    for causal in (False, True):
+        flops = 4 * b * h * s * s * d / (2 if causal else 1)
+        sdpa_ms = triton.testing.do_bench(
+            lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)
+        )
+        for name in recipes:
+            recipe = resolve_recipe(name)
+            bm, bn = recipe.tiles(None, None)
+            try:
+                diff = check_trace(recipe, causal)
+                calls = {
+                    "kernel, trace off": kernel_call(recipe, q, k, v, causal, bm, bn, 4, 2),
+                    "kernel, TRACE on": kernel_call(recipe, q, k, v, causal, bm, bn, 4, 2, True),
+                    "fp4lab.attention(trace=...)": lambda r=recipe, c=causal: fp4lab.attention(
+                        q, k, v, r, causal=c, backend="triton", trace=Trace()),
+                }  # fmt: skip
+                timings = {what: triton.testing.do_bench(fn) for what, fn in calls.items()}
+            except Exception as err:  # a configuration that does not compile or fit
+                print(f"{name:16s} {str(causal):6s} failed: {repr(err)[:200]}", flush=True)
+                continue
+            for what, ms in timings.items():
+                row = dict(recipe=name, causal=causal, what=what, tiles=f"{bm}x{bn}", ms=ms,
+                           tflops=flops / ms / 1e9, x_sdpa=sdpa_ms / ms, check=diff)  # fmt: skip
+                rows.append(row)
+                print(f"{name:16s} {str(causal):6s} {what:28s} {ms:8.3f} {row['tflops']:8.1f} "
+                      f"{row['x_sdpa']:7.3f} {diff:8.1e}", flush=True)  # fmt: skip
+            with open(os.path.join(out_dir, "bench_attention_gpu_trace.json"), "w") as f:
+                json.dump({"shape": SHAPE, "device": torch.cuda.get_device_name(), "rows": rows},
+                          f, indent=1)  # fmt: skip
 
 
 BACKWARD_TILES = [(64, 64), (128, 64), (128, 128)]

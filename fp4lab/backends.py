@@ -49,9 +49,10 @@ def attention(
     statistics, `generator` for stochastic rounding); see its docstring.
 
     Raises:
-        NotImplementedError: backend="triton" for what its kernels do not run yet (the
-            trace, some recipe mechanisms of the forward or the backward), or without triton
-            installed.
+        NotImplementedError: backend="triton" for what its kernels do not run yet (some
+            recipe mechanisms of the forward or the backward, a trace with an explicit
+            reference_dtype), or without triton installed. Its trace leaves some columns
+            NaN (``prod_err`` of pv, dv, dq, dk, ...: `fp4lab.kernels.trace`).
         ValueError: any other backend than "reference" or "triton".
     """
     if backend not in BACKENDS:

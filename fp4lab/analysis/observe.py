@@ -20,7 +20,6 @@ import math
 import torch
 
 from fp4lab.analysis.online_softmax import OnlineSoftmax, rescale_add
-from fp4lab.analysis.tile_stats import operand_stats, prefix, product_stats
 from fp4lab.analysis.tiling import (
     TileBlock,
     Tiling,
@@ -30,6 +29,14 @@ from fp4lab.analysis.tiling import (
     zero_skipped,
 )
 from fp4lab.recipes import Product, TraceCall
+from fp4lab.recipes.tile_stats import (
+    gram_errors,
+    grams,
+    operand_stats,
+    prefix,
+    product_stats,
+    whole_stats,
+)
 
 __all__ = ["begin_trace", "ForwardTrace", "BackwardTrace"]
 
@@ -268,40 +275,12 @@ class BackwardTrace:
 
 
 # -- statistics of whole-tensor operands and of products -------------------------------------------
-def whole_stats(x, quant, tiler) -> dict:
-    """Per-tile operand statistics of a whole-tensor operand (a `quantizers.Quantized`)."""
-    counts = None
-    if quant.counts is not None:
-        tile_sum = lambda f: tiler(f.to(torch.uint8)).sum((-2, -1))  # noqa: E731
-        counts = {k: tile_sum(f) if f is not None else None for k, f in quant.counts.items()}
-    return operand_stats(tiler(x), tiler(quant.values), counts)
-
-
-def grams(x: torch.Tensor, x_hat: torch.Tensor, tiler) -> tuple:
-    """Per-tile Gram matrices of a whole-tensor operand in float64, flattened, for
-    `gram_product_stats`: (X^T X, X^^T X, X^^T X^), each (..., tiles, E * E)."""
-    t, th = tiler(x).double(), tiler(x_hat).double()
-    gram = lambda a, b: (a.transpose(-1, -2) @ b).flatten(-2)  # noqa: E731
-    return gram(t, t), gram(th, t), gram(th, th)
-
-
 def gram_product_stats(a: tuple, b: tuple, block, y: torch.Tensor) -> dict:
-    """``prod_err`` of every tile pair (i, j) of y^ = A^_i B^_j^T against y = A_i B_j^T
-    (S = Q K^T, dP = dO V^T), in float64 from the tiles' Gram matrices (`grams` of the
-    query-side operand A and the key-side operand B), never forming y:
-    ||y||^2 = <A^T A, B^T B>, <y^, y> = <A^^T A, B^^T B>, ||y^||^2 = <A^^T A^, B^^T B^>,
-    ||y^ - y||^2 = ||y^||^2 - 2 <y^, y> + ||y||^2. This is the exact product of the
-    quantized operands against the exact product of the unquantized ones (the simulation's
-    own float32 rounding of y^, ~1e-7, is not in it), with float64 rounding: errors from
-    about 1e-7 up are resolved. y (..., n, g, r, c) is read only to count NaN."""
+    """``prod_err`` and ``prod_nan`` of every tile pair of `block` from the tiles' Gram
+    matrices (`fp4lab.recipes.tile_stats.gram_errors`); y (..., n, g, r, c), the simulation's
+    product, is read only to count NaN."""
     i0, i1, j0, j1 = block.i0, block.i1, block.j0, block.j1
-
-    def inner(x, z):  # <x_i, z_j> for every pair: (B, Hkv, G, n, g)
-        return x[:, :, :, i0:i1] @ z[:, :, j0:j1].transpose(-1, -2)[:, :, None]
-
-    ref, cross, quant = (inner(x, z) for x, z in zip(a, b, strict=True))
-    err2 = (quant - 2 * cross + ref).clamp_(min=0)
-    err = torch.where(err2 == 0, 0.0, (err2 / ref).sqrt())
+    err = gram_errors(tuple(x[:, :, :, i0:i1] for x in a), tuple(z[:, :, j0:j1] for z in b))
     nan = (
         torch.zeros_like(err)
         if bool(torch.isfinite(err).all())

@@ -21,15 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from fp4lab.analysis.context import Pass
-from fp4lab.analysis.tile_stats import exact_count
 from fp4lab.formats import FloatFormat, QuantSpec, quantize_blocks, round_to_format
 from fp4lab.recipes import Seq, TensorScope, operand
+from fp4lab.recipes.tile_stats import block_counts
 
 __all__ = ["Quantized", "quantize_operand", "quantize_field", "stochastic"]
-
-# Relative slack when judging a block scale out of its format's range: NVFP4's tensor scale
-# maps the tensor amax to exactly 448 up to float32 rounding, which is not an overflow.
-_SLACK = 2.0**-20
 
 
 @dataclass
@@ -172,29 +168,5 @@ def _block_quantize(
         spec, axis = dataclasses.replace(spec, block=tuple(x.shape[-2:])), -1
     batch_dims = (x.ndim - 2 if spec.tensor_scale else 0) if per_tile else scope_dims
     b = quantize_blocks(x, spec, axis=axis, batch_dims=batch_dims, noise=noise, generator=generator)
-    found = _counts(b.scaled, b.amax, b.decode, spec, b.layout, per_tile) if counts else None
+    found = block_counts(b.scaled, b.amax, b.decode, spec, b.layout, per_tile) if counts else None
     return b.dequantize(x.dtype), found
-
-
-def _counts(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dict:
-    """The trace's counts (see `Quantized`) from the scaled elements (blocks, before
-    rounding; overwritten here) and the block amax."""
-    d = decode if decode is not None else torch.ones((), dtype=torch.float32)
-    clipped = scaled.abs_().sub_(spec.element.max).clamp_(min=0).sign_()  # |x| > M_e s d: saturated
-    ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
-    blocks = {
-        "blocks": amax > 0,
-        "scale_underflow": (amax > 0) & (ideal < spec.scale.min_subnormal * (1 - _SLACK)),
-        "scale_overflow": ideal > spec.scale.max * (1 + _SLACK),
-    }
-    if per_tile:  # a tile is the last two block dims
-        return {
-            "clipped": exact_count(clipped, (-3, -2, -1)),
-            **{k: v.sum((-2, -1)) for k, v in blocks.items()},
-        }
-    marks = {}
-    for name, flag in blocks.items():  # each block marked at its first element
-        mark = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
-        mark[..., 0] = flag
-        marks[name] = layout.from_blocks(mark)
-    return {"clipped": layout.from_blocks(clipped.bool()), **marks}

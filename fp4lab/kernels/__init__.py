@@ -12,9 +12,15 @@ What exists:
   a dQ kernel per query tile) with P and dS quantized in registers as the recipe's backward
   fields say: the flash, straight-through and forward-exact backwards;
 - `backend`: `fp4lab.attention(..., backend="triton")`, which quantizes Q, K, V (and dO)
-  with `quantize` and runs `flash` and, through autograd, `flash_bwd`.
+  with `quantize` and runs `flash` and, through autograd, `flash_bwd`;
+- `trace`: the per-tile statistics of the forward and the backward (the `flash` and
+  `flash_bwd` kernels compiled with their TRACE flag write them to small buffers) as the
+  simulation's `Trace` schema, so that `trace=Trace()` fills the same frame on either
+  backend; its docstring says where each column comes from and lists those it does not
+  write (``prod_err`` of pv, dv, dq, dk, the backward products' ``prod_nan``,
+  ``p_fwd_mismatch``).
 
-Not yet: the per-tile trace, and the recipe mechanisms `fp4lab.kernels.flash` and
+Not yet: the recipe mechanisms `fp4lab.kernels.flash` and
 `fp4lab.kernels.backend.check_backward` list; asking for them raises `NotImplementedError`
 naming them, never a silent fallback to the reference. The modules here import `triton`,
 which is not a dependency of the CPU install; nothing here is imported eagerly.

@@ -22,11 +22,15 @@ and P and dS round in the kernels with the same streams' words made in registers
 generators runs samples stacked along the batch, each drawing as a call on it alone
 (`gradient_bias` batches so).
 
+`trace=Trace()` runs the forward kernel compiled with its TRACE flag and fills the trace with
+the simulation's schema (`fp4lab.kernels.trace`: which columns come from the kernel, which
+from the host, which are not written); uninstrumented calls compile the kernel without it.
+
 What the kernels do not cover yet raises `NotImplementedError` naming it, before anything
-runs: the trace, masks other than causal, inputs other than bf16/fp16, dropout, the recipe
-mechanisms `fp4lab.kernels.flash` lists, and the backward's (`check_backward`: Hadamard
-transforms and 2-D blocks on its operands, fixed scales or other block formats on P and dS
-than the kernel quantizes). Nothing falls back to the reference.
+runs: a trace with an explicit reference_dtype, masks other than causal, inputs other than
+bf16/fp16, dropout, the recipe mechanisms `fp4lab.kernels.flash` lists, and the backward's
+(`check_backward`: Hadamard transforms and 2-D blocks on its operands, fixed scales or other
+block formats on P and dS than the kernel quantizes). Nothing falls back to the reference.
 """
 
 from __future__ import annotations
@@ -103,9 +107,9 @@ def check_recipe(recipe: AttentionRecipe) -> None:
 
 def _check_call(q, k, v, trace, attn_mask) -> None:
     if trace is not None:
-        raise NotImplementedError(
-            "trace: the Triton kernels write no trace yet; use backend='reference'"
-        )
+        from fp4lab.kernels.trace import check_trace
+
+        check_trace(trace)
     if attn_mask is not None:
         raise NotImplementedError("attn_mask: the Triton kernels take only the causal mask yet")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -395,8 +399,8 @@ def _dequantized(v: torch.Tensor, recipe: AttentionRecipe, key: int | None) -> t
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, recipe, causal, scale, block_m, block_n, generator):
-        from fp4lab.kernels.flash import attention_forward
+    def forward(ctx, q, k, v, recipe, causal, scale, block_m, block_n, generator, trace):
+        from fp4lab.kernels.flash import TraceBuffers, attention_forward
 
         fwd_key = pass_key(generator) if recipe.stochastic else None  # as the simulation's
         qs, ks, vs, factors = quantize_operands(q, k, v, recipe, fwd_key)
@@ -408,23 +412,41 @@ class _TritonAttention(torch.autograd.Function):
         if grads and recipe.backward is BackwardMode.FORWARD_EXACT:
             n_k = -(-k.shape[2] // block_n)
             m_ref = torch.zeros(*q.shape[:3], n_k, dtype=torch.float32, device=q.device)
+        bufs = None
+        if trace is not None:  # the instrumented kernel (TRACE), its statistics into bufs
+            bufs = TraceBuffers.empty(*q.shape[:3], k.shape[2], block_m, block_n, q.device)
+        pq = p_quantizer(recipe)
+        tiles = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)
         o, lse = attention_forward(
-            qs, ks, vs_kernel, factors, p_quantizer(recipe), causal=causal,
-            scale=scale, block_m=block_m, block_n=block_n, lse_log2=True, o_prime=o_prime,
-            m_ref=m_ref, sr_key=_stream(fwd_key, "p"), **forward_options(recipe, causal, v),
+            qs, ks, vs_kernel, factors, pq, lse_log2=True, o_prime=o_prime, m_ref=m_ref,
+            trace=bufs, out_dtype=None if bufs is None else torch.float32,
+            sr_key=_stream(fwd_key, "p"), **tiles, **forward_options(recipe, causal, v),
         )  # fmt: skip
+        if trace is not None:
+            from fp4lab.kernels.flash import PQuantizer
+            from fp4lab.kernels.trace import record_forward
+
+            (qp, qpf), (kp, kpf), (vp, vpf) = (_plain(x) for x in (q, k, v))
+            exact = attention_forward(  # exact attention, for out_err and lse_err
+                qp, kp, vp, (qpf, kpf, vpf), PQuantizer(MODE=0), out_dtype=torch.float32,
+                **tiles,
+            )  # fmt: skip
+            ctx.trace_call = record_forward(
+                trace, recipe, (q, k, v), bufs, (o, lse), exact, dict(**tiles, mode=pq.MODE)
+            )
         out = o.to(q.dtype)
         if grads:  # the outputs as returned (in q's dtype): D reads them so, as the simulation
             o_prime = out if o_prime is None else o_prime.to(q.dtype)
             m_ref = lse if m_ref is None else m_ref
             ctx.save_for_backward(q, k, v, qs, ks, vs, *factors, out, o_prime, lse, m_ref)
             ctx.call = (recipe, causal, scale, block_m, block_n, generator, fwd_key)
+            ctx.traced = trace is not None
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        from fp4lab.kernels.flash_bwd import attention_backward
+        from fp4lab.kernels.flash_bwd import attention_backward, trace_buffers
 
         q, k, v, qs, ks, vs, qf, kf, vf, out, o_prime, lse, m_ref = ctx.saved_tensors
         recipe, causal, scale, block_m, block_n, generator, fwd_key = ctx.call
@@ -434,14 +456,25 @@ class _TritonAttention(torch.autograd.Function):
             q=q, k=k, v=v, q_hat=(qs, qf), k_hat=(ks, kf), v_hat=(vs, vf), o=out, lse=lse,
             o_prime=o_prime,
         )  # fmt: skip
+        bufs = None
+        if ctx.traced:  # the instrumented kernels (TRACE), their statistics into bufs
+            bufs = trace_buffers(*q.shape[:3], k.shape[2], block_m, block_n, q.device)
+        quantizers = backward_quantizers(recipe)
         dq, dk, dv = attention_backward(
-            backward_operands(do, saved, recipe, (fwd_key, key)), *backward_quantizers(recipe),
-            causal=causal, sr_keys=backward_stream_keys(recipe, fwd_key, key),
+            backward_operands(do, saved, recipe, (fwd_key, key)), *quantizers, causal=causal,
+            sr_keys=backward_stream_keys(recipe, fwd_key, key), trace=bufs,
             scale=scale, block_m=block_m, block_n=block_n, ds_from_dv=recipe.ds_p is DsP.DV_OPERAND,
             m_ref=m_ref if replay else None,
             leakage_block=recipe.leakage_block if replay and recipe.leakage_fix and causal else 0,
         )  # fmt: skip
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        if bufs is not None:
+            from fp4lab.kernels.trace import record_backward
+
+            modes = dict(zip(("dv", "dq", "dk"), (tq.pq.MODE for tq in quantizers), strict=True))
+            tiles = dict(causal=causal, block_m=block_m, block_n=block_n)
+            record_backward(ctx.trace_call, recipe, (q, k, v, do), bufs, lse, modes, tiles)
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+        return (*grads, None, None, None, None, None, None, None)  # recipe ... trace
 
 
 def _stream(key: int | None, field: str) -> int | None:
@@ -485,6 +518,12 @@ def attention(
     if dropout_p:
         raise NotImplementedError("dropout_p: the Triton kernels have no dropout yet")
     check_recipe(recipe)
+    if trace is not None and recipe.stochastic:
+        raise NotImplementedError(
+            f"trace: recipe {recipe.name!r} rounds stochastically, and the Triton backend's "
+            "trace computes the operands' columns on the host without the kernels' draws; "
+            "use backend='reference'"
+        )
     gen = as_generators(generator)
     if gen is None and recipe.stochastic:
         raise ValueError(
@@ -501,4 +540,6 @@ def attention(
         check_backward(recipe, block_m, block_n)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     k = smooth_k(k, recipe)
-    return _TritonAttention.apply(q, k, v, recipe, bool(causal), scale, block_m, block_n, gen)
+    return _TritonAttention.apply(
+        q, k, v, recipe, bool(causal), scale, block_m, block_n, gen, trace
+    )

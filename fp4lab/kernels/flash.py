@@ -50,9 +50,18 @@ difference of its fraction rounds the other way, as an element next to a midpoin
 rounding to nearest. The keys reach the kernel as a table, one per chunk of the batch
 (`sr_key_table`), so samples stacked along the batch each draw as alone.
 
-What is not here yet (asking for it raises, never falls back): the trace, two-level P,
-Direct-P's affine code map and stochastic codes, P blocked along the queries, MS-EDEN's
-stochastic scales, sr_bits above 32 (the words have 32 bits) and attn_mask.
+Instrumentation (TRACE, a compile-time flag, off by default). Compiled with it, each key tile
+writes its statistics of P and P^ to small buffers (`TraceBuffers`: the sums and counts of
+`FORWARD_STATS` per (batch x head, query tile, key tile), each row's flushed mass per key
+tile, the softmax denominator's error per query tile), computed after P is quantized by a
+helper of their own (`_trace_p_tile`), which recounts what the quantizer saw (`_p_counts`)
+rather than changing it; `fp4lab.kernels.trace` turns them into the `Trace`. Without it the
+branch is eliminated at compile time: the hot loop is the uninstrumented kernel's.
+
+What is not here yet (asking for it raises, never falls back): two-level P, Direct-P's
+affine code map and stochastic codes, P blocked along the queries, MS-EDEN's stochastic
+scales, sr_bits above 32 (the words have 32 bits), a trace of a stochastic recipe, and
+attn_mask.
 """
 
 from __future__ import annotations
@@ -67,8 +76,9 @@ import triton.language as tl
 from fp4lab.formats import Correction, FloatFormat, QuantSpec, Rounding, ScaleArithmetic, ScaleRule
 from fp4lab.formats.philox import split_key
 from fp4lab.kernels.random import tile_words
+from fp4lab.recipes.tile_stats import SLACK
 
-__all__ = ["attention_forward", "PQuantizer"]
+__all__ = ["attention_forward", "PQuantizer", "TraceBuffers", "FORWARD_STATS", "OUT_STATS"]
 
 LOG2E = math.log2(math.e)
 # Fused multiply-adds off in every attention kernel, as in the quantizers: on NVPTX the
@@ -495,7 +505,15 @@ def _direct_p(
     clamped to [E_LO, E_HI]; codes E2M1(2^(z - e_B + log2 M_e)); values codes 2^e_B (exact in
     bf16), whose products the caller multiplies by 1 / M_e."""
     zb = tl.reshape(z, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
-    top = tl.max(zb, axis=2)
+    e = _direct_exponent(tl.max(zb, axis=2), RULE, E_LO, E_HI)
+    codes = _round(tl.exp2(zb - e[:, :, None] + LOG2_ME), EQ_LO, EQ_HI, E_UNIT, E_MAX)
+    return tl.reshape(codes * _pow2(e.to(tl.int32))[:, :, None], (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _direct_exponent(top, RULE: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr):
+    """Direct-P's e_B (fp32) of blocks whose largest z = log2 P is `top`, by the alpha rule,
+    clamped to [E_LO, E_HI] (a block of -inf, all masked, takes E_LO)."""
     if RULE == 2:  # ALPHA_CEIL: ceil(z)
         e = tl.ceil(top)
     elif RULE == 4:  # ALPHA_HALF: floor(z + 1 - log2 1.5)
@@ -508,18 +526,108 @@ def _direct_p(
         else:  # ALPHA_RTE
             odd = ((tl.where(fl > -1000.0, fl, 0.0).to(tl.int32) + 127) & 1) == 1
             e = fl + ((r > 1.5) | ((r == 1.5) & odd)).to(tl.float32)
-    e = tl.minimum(tl.maximum(e, E_LO), E_HI)  # a block of -inf (all masked) takes E_LO
-    codes = _round(tl.exp2(zb - e[:, :, None] + LOG2_ME), EQ_LO, EQ_HI, E_UNIT, E_MAX)
-    return tl.reshape(codes * _pow2(e.to(tl.int32))[:, :, None], (BLOCK_M, BLOCK_N))
+    return tl.minimum(tl.maximum(e, E_LO), E_HI)
+
+
+# -- instrumentation (TRACE): per-tile statistics of P, after it is quantized ---------------------
+@triton.jit
+def _p_counts(
+    p, z, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    LIFT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
+    S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
+    QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
+    EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
+):  # fmt: skip
+    """(clipped, blocks, scale underflows, scale overflows) of a P tile as its quantizer
+    (`_quantize_p`, `_direct_p`) saw it, counted as `fp4lab.recipes.tile_stats.block_counts`
+    does: elements whose scaled value exceeds E_MAX; blocks with a nonzero; those whose ideal
+    scale amax / (E_MAX decode) lies below UNDER or above OVER (the scale format's range with
+    block_counts' slack). The scaled elements are recomputed here in the quantizer's
+    arithmetic, so that the quantizer itself is untouched."""
+    zero = tl.sum(tl.sum(tl.zeros_like(p), 1), 0)
+    blocks, under, over = zero, zero, zero
+    if MODE == 0:
+        clipped = zero
+    elif MODE == 1:
+        clipped = tl.sum(tl.sum((p * LIFT > E_MAX).to(tl.float32), 1), 0)
+    elif MODE == 3:  # Direct-P: codes of 2^(z - e_B + log2 M_e) past M_e; e_B at its floor
+        zb = tl.reshape(z, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
+        top = tl.max(zb, axis=2)
+        e = _direct_exponent(top, RULE, E_LO, E_HI)
+        u = tl.exp2(zb - e[:, :, None] + LOG2_ME)
+        clipped = tl.sum(tl.sum(tl.sum((u > E_MAX).to(tl.float32), 2), 1), 0)
+        seen = top > -float("inf")
+        blocks = tl.sum(tl.sum(seen.to(tl.float32), 1), 0)
+        under = tl.sum(tl.sum((seen & (e == E_LO)).to(tl.float32), 1), 0)
+    else:  # block scales: the scaled elements as `_quantize_p` computes them
+        x = p * LIFT
+        xb = tl.reshape(x, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
+        amax = tl.max(xb, axis=2)
+        store, factor, divisor, decode = _block_scales(
+            amax, tl.max(tl.max(x, axis=1), axis=0), E_MAX, 1.0 / E_MAX, SQ_LO, SQ_HI, S_UNIT,
+            S_MAX, E_LO, E_HI, RULE, ARITH, TENSOR, EMAX_E,
+        )  # fmt: skip
+        if (ARITH == 0 or ARITH == 3) and RULE == 0:
+            den = tl.where(divisor == 0.0, 1.0, divisor)[:, :, None]
+            if ARITH == 0 and S_UNIT >= 0.125 and SQ_LO * S_UNIT >= 1.1754943508222875e-38:
+                scaled = _div_by_short(xb, den)
+            else:
+                scaled = tl.div_rn(xb, den)
+            scaled = tl.where(divisor[:, :, None] == 0.0, 0.0, scaled)
+        else:
+            scaled = xb * factor[:, :, None]
+        clipped = tl.sum(tl.sum(tl.sum((scaled > E_MAX).to(tl.float32), 2), 1), 0)
+        ideal = tl.div_rn(amax, tl.zeros_like(amax) + E_MAX * decode)
+        nonzero = amax > 0.0
+        blocks = tl.sum(tl.sum(nonzero.to(tl.float32), 1), 0)
+        under = tl.sum(tl.sum((nonzero & (ideal < UNDER)).to(tl.float32), 1), 0)
+        over = tl.sum(tl.sum((ideal > OVER).to(tl.float32), 1), 0)
+    return clipped, blocks, under, over
+
+
+@triton.jit
+def _trace_p_tile(
+    p, p_used, z, qk, pv, m_use, rows, stats_ptr, lost_ptrs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    LIFT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
+    S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
+    QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
+    EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
+):  # fmt: skip
+    """Write one (query tile, key tile)'s statistics, `FORWARD_STATS` in that order, to
+    stats_ptr, and each row's flushed probability mass as log2(mass) + m (its row reference
+    m_use) to lost_ptrs: P the tile's unquantized probabilities, p_used the P^ its P V
+    consumed (dequantized, the leakage fix's diagonal blocks unquantized), z = log2 P, qk the
+    masked scores, pv the tile's P^ V^."""
+    sum2 = lambda x: tl.sum(tl.sum(x, 1), 0)  # noqa: E731
+    flushed = (p_used == 0.0) & (p != 0.0)
+    tl.store(stats_ptr + 0, sum2((p != 0.0).to(tl.float32)))
+    tl.store(stats_ptr + 1, sum2((p_used != 0.0).to(tl.float32)))
+    diff = p_used - p
+    tl.store(stats_ptr + 2, sum2(diff * diff))
+    tl.store(stats_ptr + 3, sum2(p * p))
+    clipped, blocks, under, over = _p_counts(
+        p, z, BLOCK_M, BLOCK_N, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+        QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
+    )  # fmt: skip
+    tl.store(stats_ptr + 4, clipped)
+    tl.store(stats_ptr + 5, blocks)
+    tl.store(stats_ptr + 6, under)
+    tl.store(stats_ptr + 7, over)
+    tl.store(stats_ptr + 8, sum2((p_used != p_used).to(tl.float32)))
+    tl.store(stats_ptr + 9, sum2((pv != pv).to(tl.float32)))
+    tl.store(stats_ptr + 10, sum2((qk != qk).to(tl.float32)))
+    lost = tl.sum(tl.where(flushed, p, 0.0), 1)
+    tl.store(lost_ptrs, tl.log2(lost) + m_use, mask=rows)
 
 
 # -- the kernel ------------------------------------------------------------------------------------
 # fmt: off
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
-    qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
-    first, count, sr_k0, sr_k1, batch, head,
+    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, n_k, offs_m,
+    rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
+    first, count, stats_base, lost_base, sr_k0, sr_k1, batch, head,
     MASKED: tl.constexpr, SAVE_M: tl.constexpr, LEAK: tl.constexpr, REVERSE: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FIXED: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
@@ -529,6 +637,7 @@ def _fwd_inner(
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, SR: tl.constexpr, SR_BITS: tl.constexpr,
+    TRACE: tl.constexpr, N_STATS: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, up (or down, REVERSE): the
     loop runs over a counter, since a loop's step must be positive on the GPU. MASKED
@@ -539,7 +648,9 @@ def _fwd_inner(
     also Attn-QAT's O' (acc_p, l_p): the unquantized P times V^, over the sum of that P.
     SAVE_M: each tile's row reference into mref_base (row-major, n_k tiles a row). SR: P
     rounds stochastically with the words of its stream (key sr_k0, sr_k1) at each element's
-    (batch, query head, query, key) position."""
+    (batch, query head, query, key) position. TRACE: each tile's statistics
+    (`_trace_p_tile`) to stats_base (N_STATS a key tile) and lost_base (row-major, n_k tiles
+    a row), and the sums of P^ and P (l_hat, l_pl) rescaled as l_i."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -584,7 +695,7 @@ def _fwd_inner(
                 LOG2_ME,
             )
             factor = 1.0 / E_MAX
-            if not ROW_SUM_Q or (MASKED and LEAK > 0) or PRIME:
+            if not ROW_SUM_Q or (MASKED and LEAK > 0) or PRIME or TRACE:
                 p = tl.exp2(z)
         else:
             p = tl.exp2(z)
@@ -650,17 +761,33 @@ def _fwd_inner(
                 acc_p = acc_p + tl.dot(tail, v, tl.dot(head, v))
             else:
                 acc_p = acc_p * alpha[:, None] + tl.dot(tail, v, tl.dot(head, v))
+        if TRACE:  # the statistics of P^ as P V consumed it
+            p_used = p_hat * factor
+            if MASKED and LEAK > 0:
+                p_used = tl.where(diagonal, p, p_used)
+            _trace_p_tile(
+                p, p_used, z, qk, pv, m_use, rows, stats_base + (start_n // BLOCK_N) * N_STATS,
+                lost_base + offs_m * n_k + start_n // BLOCK_N, BLOCK_M, BLOCK_N,
+                MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH,
+                TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
+            )
+            if FIXED:
+                l_hat = l_hat + tl.sum(p_used, 1)
+                l_pl = l_pl + tl.sum(p, 1)
+            else:
+                l_hat = l_hat * alpha + tl.sum(p_used, 1)
+                l_pl = l_pl * alpha + tl.sum(p, 1)
         if FIXED:
             acc = acc + pv
         else:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-    return acc, l_i, m_i, acc_p, l_p
+    return acc, l_i, m_i, acc_p, l_p, l_hat, l_pl
 
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, VP, Out, OutP, LSE, MRef, QF, KF, VF, qk_scale,
+    Q, K, V, VP, Out, OutP, LSE, MRef, Stats, Lost, OutStats, QF, KF, VF, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_pb, stride_ph, stride_pn, stride_pd,
     stride_ob, stride_oh, stride_om,
@@ -678,6 +805,9 @@ def _attn_fwd(
     REF: tl.constexpr, FIXED: tl.constexpr, ANCHOR_KEYS: tl.constexpr, LEAK: tl.constexpr,
     LSE_LOG2: tl.constexpr, PRIME: tl.constexpr, SAVE_M: tl.constexpr,
     SR: tl.constexpr, SR_BITS: tl.constexpr,
+    # instrumentation: per-tile statistics (`FORWARD_STATS`, `OUT_STATS`), off by default
+    TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, UNDER: tl.constexpr = 0.0,
+    OVER: tl.constexpr = 0.0,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
     units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
@@ -687,7 +817,11 @@ def _attn_fwd(
 
     Its key tiles split in two ranges, in the recipe's order: the first n_free tiles hold only
     visible keys of full query rows (no masks), the rest (the diagonal band when causal, a
-    partial last key tile, every tile of a partial last query tile) are masked."""
+    partial last key tile, every tile of a partial last query tile) are masked.
+
+    TRACE: Stats (B H, n_q, n_k, N_STATS) takes each tile's `FORWARD_STATS`, Lost
+    (B, H, Sq, n_k) each row's flushed mass per key tile (log2, against its row reference),
+    OutStats (B H, n_q, 2) the query tile's sum of l^ / l - 1 over its rows and their count."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -731,6 +865,14 @@ def _attn_fwd(
     n_tiles = tl.cdiv(Sk, BLOCK_N)
     n_k = n_tiles
     mref_base = MRef + bh.to(tl.int64) * Sq * n_k
+    stats_base = Stats + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * n_k * N_STATS
+    lost_base = Lost + bh.to(tl.int64) * Sq * n_k
+    if TRACE:
+        l_hat = tl.zeros([BLOCK_M], dtype=tl.float32)
+        l_pl = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:  # unused
+        l_hat = tl.zeros([1], dtype=tl.float32)
+        l_pl = tl.zeros([1], dtype=tl.float32)
     n_free = Sk // BLOCK_N  # whole key tiles
     if CAUSAL:
         n_tiles = tl.minimum(n_tiles, tl.cdiv(tl.minimum(m0 + BLOCK_M, Sq), BLOCK_N))
@@ -742,23 +884,23 @@ def _attn_fwd(
         first1, count1, first2, count2 = n_tiles - 1, n_tiles - n_free, n_free - 1, n_free
     else:
         first1, count1, first2, count2 = 0, n_free, n_free, n_tiles - n_free
-    acc, l_i, m_i, acc_p, l_p = _fwd_inner(
-        acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
-        qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
-        first1, count1, sr_k0, sr_k1, sr_b, h,
+    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
+        acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, n_k,
+        offs_m, rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd,
+        stride_pn, stride_pd, first1, count1, stats_base, lost_base, sr_k0, sr_k1, sr_b, h,
         REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
-        EMAX_E, LOG2_ME, SR, SR_BITS,
+        EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER,
     )
-    acc, l_i, m_i, acc_p, l_p = _fwd_inner(
-        acc, l_i, m_i, acc_p, l_p, q, k_base, v_base, vp_base, mref_base, n_k, offs_m, rows,
-        qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
-        first2, count2, sr_k0, sr_k1, sr_b, h,
+    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
+        acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, n_k,
+        offs_m, rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd,
+        stride_pn, stride_pd, first2, count2, stats_base, lost_base, sr_k0, sr_k1, sr_b, h,
         not REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
-        EMAX_E, LOG2_ME, SR, SR_BITS,
+        EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER,
     )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
@@ -769,6 +911,12 @@ def _attn_fwd(
     tl.store(LSE + bh * Sq + offs_m, lse, mask=rows)
     o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
     tl.store(Out + o_offs, out.to(Out.dtype.element_ty), mask=rows[:, None])
+    if TRACE:  # the softmax denominator's error, l^ / l - 1, over rows that see a key
+        seen = rows & (lse == lse) & (lse < float("inf")) & (l_pl > 0.0)
+        ratio = tl.where(seen, l_hat / tl.where(seen, l_pl, 1.0) - 1.0, 0.0)
+        out_base = OutStats + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * 2
+        tl.store(out_base, tl.sum(ratio, 0))
+        tl.store(out_base + 1, tl.sum(seen.to(tl.float32), 0))
     if PRIME:
         empty_p = l_p == 0.0
         out_p = tl.where(empty_p[:, None], 0.0, acc_p / tl.where(empty_p, 1.0, l_p)[:, None])
@@ -777,6 +925,49 @@ def _attn_fwd(
 
 
 _REFERENCES = {"running": 0, "anchor": 1, "zero": 2}
+
+# What an instrumented forward (TRACE) writes per (batch x head, query tile, key tile), in this
+# order (`_trace_p_tile`): P's nonzeros, P^'s nonzeros, sum (P^ - P)^2, sum P^2, P's clipped
+# elements, its blocks with a nonzero and those whose scale under- or overflowed, NaNs of P^,
+# of the tile's P^ V^ and of its masked scores; and per query tile (`OUT_STATS`).
+FORWARD_STATS = (
+    "nonzero", "kept", "diff2", "norm2", "clipped", "blocks", "underflow", "overflow", "nan",
+    "pv_nan", "qk_nan",
+)  # fmt: skip
+OUT_STATS = ("row_sum_err_sum", "rows")
+
+
+@dataclass
+class TraceBuffers:
+    """An instrumented forward's outputs, fp32: `stats` (B, H, n_q, n_k, len(FORWARD_STATS)),
+    `lost` (B, H, Sq, n_k): each row's probability mass flushed in each key tile, as
+    log2(mass) + the row reference the tile took (-inf where nothing was flushed or the row
+    did not visit the tile), and `out` (B, H, n_q, len(OUT_STATS)). `lost` is per query row
+    (Sq x n_k, block_n times smaller than the scores): the mass is a fraction of each row's
+    final denominator, known only after the last key tile."""
+
+    stats: torch.Tensor
+    lost: torch.Tensor
+    out: torch.Tensor
+
+    @classmethod
+    def empty(cls, B, H, Sq, Sk, block_m, block_n, device) -> TraceBuffers:
+        n_q, n_k = triton.cdiv(Sq, block_m), triton.cdiv(Sk, block_n)
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(
+            stats=torch.zeros(B, H, n_q, n_k, len(FORWARD_STATS), **f32),
+            lost=torch.full((B, H, Sq, n_k), -math.inf, **f32),
+            out=torch.zeros(B, H, n_q, len(OUT_STATS), **f32),
+        )
+
+
+def _scale_bounds(pq: PQuantizer) -> tuple[float, float]:
+    """(UNDER, OVER): the ideal block scales past which `_p_counts` counts an under- or
+    overflow, as fp32 (the scale format's smallest positive value, Q_LO x UNIT, and its
+    largest, widened by `fp4lab.recipes.tile_stats.SLACK`)."""
+    lo, _, unit, top = pq.SCALE
+    as_f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
+    return as_f32(lo * unit * (1 - SLACK)), as_f32(top * (1 + SLACK))
 
 
 def sr_key_words(key: int | None, stochastic: bool, name: str) -> tuple[int, int]:
@@ -846,6 +1037,8 @@ def attention_forward(
     o_prime: torch.Tensor | None = None,
     m_ref: torch.Tensor | None = None,
     sr_key=None,
+    trace: TraceBuffers | None = None,
+    out_dtype: torch.dtype | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
@@ -865,7 +1058,10 @@ def attention_forward(
     64-bit key of P's random stream (`fp4lab.formats.streams.stream_key`), required when
     `pq` rounds stochastically: element (b, h, query, key) of P takes the stream's word at
     that position, as the simulation draws it; or a sequence of n keys, one per consecutive
-    B / n batch elements, which then count their batch from 0 (`sr_key_table`)."""
+    B / n batch elements, which then count their batch from 0 (`sr_key_table`). `trace`: the
+    `TraceBuffers` an instrumented kernel (TRACE) fills, or None: the kernel compiled without
+    instrumentation, the very one of an uninstrumented call. `out_dtype`: O's dtype (q's
+    when None; the instrumented path asks for fp32, the output before its cast)."""
     if reference not in _REFERENCES:
         raise ValueError(f"reference must be one of {', '.join(_REFERENCES)}; got {reference!r}")
     if reference == "anchor" and not 0 < anchor_keys <= block_n:
@@ -883,7 +1079,8 @@ def attention_forward(
     B, H, Sq, D = q.shape
     sr_table = sr_key_table((sr_key,), (pq.SR,), ("sr_key",), B, q.device)
     Hk, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    o = torch.empty(B, H, Sq, Dv, dtype=q.dtype, device=q.device)  # bf16 (fp32 interpreted)
+    o = torch.empty(B, H, Sq, Dv, dtype=out_dtype or q.dtype, device=q.device)  # bf16 (fp32
+    # interpreted) unless out_dtype says otherwise
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(Sq, block_m), B * H)
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
@@ -896,10 +1093,26 @@ def attention_forward(
             f"o_prime must be shaped and laid out as the output {tuple(o.shape)}, got "
             f"{tuple(o_prime.shape)} with strides {o_prime.stride()}"
         )
+    n_q = triton.cdiv(Sq, block_m)
+    if trace is not None and (
+        trace.stats.shape != (B, H, n_q, n_k, len(FORWARD_STATS))
+        or trace.lost.shape != (B, H, Sq, n_k) or trace.out.shape != (B, H, n_q, len(OUT_STATS))
+        or not all(t.is_contiguous() for t in (trace.stats, trace.lost, trace.out))
+    ):  # fmt: skip
+        raise ValueError(
+            "trace: buffers must be contiguous, shaped as TraceBuffers.empty"
+            f"({B}, {H}, {Sq}, {Sk}, {block_m}, {block_n}) makes them"
+        )
+    instrument = {}
+    if trace is not None:  # without it the kernel is compiled with TRACE's defaults
+        under, over = _scale_bounds(pq)
+        instrument = dict(TRACE=True, N_STATS=len(FORWARD_STATS), UNDER=under, OVER=over)
+    spare = lse  # a pointer for the buffers an uninstrumented kernel never touches
     # fmt: off
     _attn_fwd[grid](
         q, k, v, v_plain, o, o if o_prime is None else o_prime, lse,
-        lse if m_ref is None else m_ref, qf, kf, vf, scale * LOG2E,
+        lse if m_ref is None else m_ref, *(spare,) * 3 if trace is None else
+        (trace.stats, trace.lost, trace.out), qf, kf, vf, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), *v_plain.stride(),
         o.stride(0), o.stride(1), o.stride(2),
@@ -913,7 +1126,7 @@ def attention_forward(
         RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
         LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
         ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=o_prime is not None,
-        SAVE_M=m_ref is not None, SR=pq.SR, SR_BITS=pq.SR_BITS,
+        SAVE_M=m_ref is not None, SR=pq.SR, SR_BITS=pq.SR_BITS, **instrument,
         num_warps=num_warps,
         num_stages=num_stages,
         enable_fp_fusion=FP_FUSION,

@@ -62,7 +62,14 @@ magnitude, as the reference rounds |x| and restores the sign.
 
 What is not here (each refused by `fp4lab.kernels.backend.check_backward` before anything
 runs): Hadamard transforms (so MS-EDEN) and 2-D blocks, fixed scales on P or dS, stochastic
-rounding of a per-tile FP32 scale format, dropout and the trace.
+rounding of a per-tile FP32 scale format, dropout, and a trace of a stochastic recipe.
+
+Instrumentation (TRACE, a compile-time flag, off by default). Compiled with it, the dK/dV
+kernel writes each tile's statistics of P in dV and of dS in dK, the dQ kernel those of dS in
+dQ (`BACKWARD_STATS`, into `trace_buffers`), computed after the operand is quantized by a
+helper of their own (`_trace_tile`) that recounts what the quantizer saw; without it the
+branches are eliminated at compile time. `fp4lab.kernels.trace` turns them into the trace's
+dv, dp, dq and dk rows.
 """
 
 from __future__ import annotations
@@ -81,8 +88,10 @@ from fp4lab.kernels.flash import (
     PQuantizer,
     _direct_p,
     _grid,
+    _p_counts,
     _quantize_p,
     _round,
+    _scale_bounds,
     _stream_words,
     check_p,
     sr_key_table,
@@ -90,7 +99,9 @@ from fp4lab.kernels.flash import (
 from fp4lab.kernels.quantize import _bfloat16_round
 from fp4lab.kernels.random import tile_words
 
-__all__ = ["attention_backward", "BackwardOperands", "TileQuantizer"]
+__all__ = [
+    "attention_backward", "BackwardOperands", "TileQuantizer", "BACKWARD_STATS", "trace_buffers",
+]  # fmt: skip
 
 # modes beyond PQuantizer's 0 (none), 1 (cast), 2 (1-D blocks), 3 (Direct-P)
 _MODE_TILE_SCALE = 4  # one FP32 scale per tile: amax / M_e (a per-tensor format on a tile)
@@ -271,6 +282,70 @@ def _words(k0, k1, batch, head, offs_m, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     return words
 
 
+# What an instrumented backward (TRACE) writes per (batch x head, query tile, key tile) for each
+# of its in-register operands (P in dV, dS in dQ, dS in dK), in this order (`_trace_tile`): the
+# operand's nonzeros, its quantized form's nonzeros, sum (x^ - x)^2, sum x^2, clipped elements,
+# blocks with a nonzero and those whose scale under- or overflowed, NaNs of x^, and the sum of
+# x over the elements flushed (P's lost probability mass; P is already normalized here).
+BACKWARD_STATS = (
+    "nonzero", "kept", "diff2", "norm2", "clipped", "blocks", "underflow", "overflow", "nan",
+    "lost",
+)  # fmt: skip
+
+
+@triton.jit
+def _trace_tile(
+    x, x_used, x_q, z_q, stats_ptr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    SIGNED: tl.constexpr, MODE: tl.constexpr, LIFT: tl.constexpr, E_MAX: tl.constexpr,
+    SQ_LO: tl.constexpr, SQ_HI: tl.constexpr, S_UNIT: tl.constexpr, S_MAX: tl.constexpr,
+    E_LO: tl.constexpr, E_HI: tl.constexpr, QBLOCK: tl.constexpr, RULE: tl.constexpr,
+    ARITH: tl.constexpr, TENSOR: tl.constexpr, EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr,
+    TRANS: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
+):  # fmt: skip
+    """Write one tile's `BACKWARD_STATS` to stats_ptr: x the operand (P or dS), x_used the
+    dequantized x^ its product consumed, x_q (and z_q = log2 x_q, for Direct-P) what its
+    quantizer (`_quantize_tile`) was given, whose clipped elements and block scales are
+    recounted here as `fp4lab.recipes.tile_stats.block_counts` counts them."""
+    sum2 = lambda t: tl.sum(tl.sum(t, 1), 0)  # noqa: E731
+    flushed = (x_used == 0.0) & (x != 0.0)
+    tl.store(stats_ptr + 0, sum2((x != 0.0).to(tl.float32)))
+    tl.store(stats_ptr + 1, sum2((x_used != 0.0).to(tl.float32)))
+    diff = x_used - x
+    tl.store(stats_ptr + 2, sum2(diff * diff))
+    tl.store(stats_ptr + 3, sum2(x * x))
+    mag = x_q
+    if SIGNED:
+        mag = tl.abs(x_q)
+    zero = sum2(tl.zeros_like(mag))
+    if MODE == 4:  # one FP32 scale t = amax / M_e per tile: its ideal scale stays in range
+        a = mag * LIFT
+        amax = tl.zeros_like(a) + tl.max(tl.max(a, 1), 0)
+        t = tl.div_rn(amax, tl.zeros_like(a) + E_MAX)
+        scaled = tl.where(t == 0.0, 0.0, tl.div_rn(a, tl.where(t == 0.0, 1.0, t)))
+        clipped = sum2((scaled > E_MAX).to(tl.float32))
+        blocks = (tl.max(tl.max(a, 1), 0) > 0.0).to(tl.float32)
+        under, over = zero, zero
+    elif MODE == 5:  # a bf16 cast, saturating
+        clipped = sum2((mag * LIFT > E_MAX).to(tl.float32))
+        blocks, under, over = zero, zero, zero
+    elif TRANS:
+        clipped, blocks, under, over = _p_counts(
+            tl.trans(mag), tl.trans(z_q), COLS, ROWS, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
+            S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
+        )  # fmt: skip
+    else:
+        clipped, blocks, under, over = _p_counts(
+            mag, z_q, ROWS, COLS, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+            QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
+        )  # fmt: skip
+    tl.store(stats_ptr + 4, clipped)
+    tl.store(stats_ptr + 5, blocks)
+    tl.store(stats_ptr + 6, under)
+    tl.store(stats_ptr + 7, over)
+    tl.store(stats_ptr + 8, sum2((x_used != x_used).to(tl.float32)))
+    tl.store(stats_ptr + 9, sum2(tl.where(flushed, x, 0.0)))
+
+
 # -- the preprocess: D = rowsum(dO * O) -------------------------------------------------------
 @triton.jit
 def _bwd_preprocess(Out, DO, DOF, Delta, Sq, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -294,7 +369,7 @@ def _bwd_preprocess(Out, DO, DOF, Delta, Sq, V_DIM: tl.constexpr, BLOCK_M: tl.co
 def _dkdv_inner(
     dk, dv, k, v, q_base, qd_base, dov_base, dop_base, lse_base, delta_base, mref_base, n_k,
     key_tile, offs_n, cols, qk_scale, f_dov, f_dp, f_q, Sq, first, count,
-    sr_dv0, sr_dv1, sr_dk0, sr_dk1, batch, head,
+    sr_dv0, sr_dv1, sr_dk0, sr_dk1, batch, head, dvs_base, dks_base,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
     REPLAY: tl.constexpr, LEAK: tl.constexpr,
@@ -312,6 +387,8 @@ def _dkdv_inner(
     DK_ARITH: tl.constexpr, DK_TENSOR: tl.constexpr, DK_EMAX_E: tl.constexpr,
     DK_LOG2_ME: tl.constexpr, DK_TRANS: tl.constexpr, DK_SPLIT: tl.constexpr,
     DK_SR: tl.constexpr, DK_SR_BITS: tl.constexpr,
+    TRACE: tl.constexpr, N_STATS: tl.constexpr, DV_UNDER: tl.constexpr, DV_OVER: tl.constexpr,
+    DK_UNDER: tl.constexpr, DK_OVER: tl.constexpr,
 ):
     """`count` query tiles of one query head from query tile `first` against one key tile,
     tiles held (keys, queries). MASKED tiles may hold rows past Sq, keys past Sk or (causal)
@@ -321,7 +398,8 @@ def _dkdv_inner(
     blocks unquantized where the forward's leakage fix (LEAK) left them so, normalized by
     exp2(m_j - lse). DV_SR, DK_SR: P for dV and dS for dK round stochastically by the words of
     their streams (keys sr_dv*, sr_dk*) at each element's (batch, query head `head`, query,
-    key) position."""
+    key) position. TRACE: each tile's `BACKWARD_STATS` of P (dV's) and dS (dK's) to dvs_base
+    and dks_base (n_k key tiles a query tile, N_STATS each)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -390,6 +468,17 @@ def _dkdv_inner(
             do_t = tl.load(dot_ptrs)
             delta = tl.load(delta_base + offs_m)
         dv += _dot(p_dv, do_v, DV_SPLIT) * (f_dv * f_dov)
+        if TRACE:  # P as dV consumed it (the replay's P^ from the forward's own P)
+            if REPLAY:
+                p_q, z_q = pf, zf
+            else:
+                p_q, z_q = pt, zt
+            _trace_tile(
+                pt, p_dv * f_dv, p_q, z_q, dvs_base + (first + t) * n_k * N_STATS, BLOCK_N,
+                BLOCK_M, False, DV_MODE, DV_LIFT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT,
+                DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E,
+                DV_LOG2_ME, DV_TRANS, DV_UNDER, DV_OVER,
+            )
         # -- dS^T = P^T (dP^T - D) --
         dpt = tl.dot(v, do_t) * f_dp
         if DS_FROM_DV:  # the P dV consumed, as quantized
@@ -410,13 +499,20 @@ def _dkdv_inner(
         else:
             qd = tl.load(qd_ptrs)
         dk += _dot(ds_k, qd, DK_SPLIT) * (f_k * f_q)
+        if TRACE:
+            _trace_tile(
+                dst, ds_k * f_k, dst, dst, dks_base + (first + t) * n_k * N_STATS, BLOCK_N,
+                BLOCK_M, True, DK_MODE, DK_LIFT, DK_E_MAX, DK_SQ_LO, DK_SQ_HI, DK_S_UNIT,
+                DK_S_MAX, DK_E_LO, DK_E_HI, DK_QBLOCK, DK_RULE, DK_ARITH, DK_TENSOR, DK_EMAX_E,
+                DK_LOG2_ME, DK_TRANS, DK_UNDER, DK_OVER,
+            )
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, QD, DOV, DOP, LSE, DELTA, MRef, DK, DV, QF, KF, DOVF, DOPF, VF, QDF, qk_scale,
-    scale, H, G, Sq, Sk, SRKeys, sr_batch,
+    scale, H, G, Sq, Sk, SRKeys, sr_batch, DVStats, DKStats,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr, REPLAY: tl.constexpr, LEAK: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
@@ -433,9 +529,13 @@ def _attn_bwd_dkdv(
     DK_ARITH: tl.constexpr, DK_TENSOR: tl.constexpr, DK_EMAX_E: tl.constexpr,
     DK_LOG2_ME: tl.constexpr, DK_TRANS: tl.constexpr, DK_SPLIT: tl.constexpr,
     DK_SR: tl.constexpr, DK_SR_BITS: tl.constexpr,
+    # instrumentation: per-tile statistics (`BACKWARD_STATS`), off by default
+    TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, DV_UNDER: tl.constexpr = 0.0,
+    DV_OVER: tl.constexpr = 0.0, DK_UNDER: tl.constexpr = 0.0, DK_OVER: tl.constexpr = 0.0,
 ):
     """dK and dV of one key tile of one (batch, KV head), summed over the G query heads of its
-    group and the query tiles that see it.
+    group and the query tiles that see it. TRACE: DVStats and DKStats (B H, n_q, n_k,
+    N_STATS) take each tile's statistics of P in dV and of dS in dK.
 
     Its query tiles split in three ranges: the causal band (queries before some of its keys)
     and every tile when the key tile is partial, masked; the whole tiles past the band,
@@ -484,6 +584,7 @@ def _attn_bwd_dkdv(
         dov_base, dop_base = DOV + q_row0 * V_DIM, DOP + q_row0 * V_DIM
         s_h = qk_scale * tl.load(QF + bh) * f_k  # the forward's order
         f_dov, f_dp, f_q = tl.load(DOVF + bh), f_v * tl.load(DOPF + bh), tl.load(QDF + bh)
+        stats_at = (bh.to(tl.int64) * n_q * n_k + start_n) * N_STATS  # query tile 0
         for r in tl.static_range(3):
             if r == 0:
                 first, count = lo, tl.maximum(a - lo, 0)
@@ -495,6 +596,7 @@ def _attn_bwd_dkdv(
                 dk, dv, k, v, q_base, qd_base, dov_base, dop_base, LSE + q_row0, DELTA + q_row0,
                 MRef + q_row0 * n_k, n_k, start_n, offs_n, cols, s_h, f_dov, f_dp, f_q, Sq,
                 first, count, sr_dv0, sr_dv1, sr_dk0, sr_dk1, sr_b, hk * G + g,
+                DVStats + stats_at, DKStats + stats_at,
                 r != 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV, REPLAY, LEAK,
                 DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
                 DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
@@ -502,6 +604,7 @@ def _attn_bwd_dkdv(
                 DK_MODE, DK_LIFT, DK_EQ_LO, DK_EQ_HI, DK_E_UNIT, DK_E_MAX, DK_SQ_LO, DK_SQ_HI,
                 DK_S_UNIT, DK_S_MAX, DK_E_LO, DK_E_HI, DK_QBLOCK, DK_RULE, DK_ARITH, DK_TENSOR,
                 DK_EMAX_E, DK_LOG2_ME, DK_TRANS, DK_SPLIT, DK_SR, DK_SR_BITS,
+                TRACE, N_STATS, DV_UNDER, DV_OVER, DK_UNDER, DK_OVER,
             )
     dk = dk * scale
     tl.store(DK + (row0 + offs_n[:, None]) * HEAD_DIM + offs_d[None, :],
@@ -514,7 +617,7 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_inner(
     dq, q, do_p, lse2, delta, k_base, v_base, kd_base, offs_m, rows, qk_scale, f_dp, Sk,
-    first, count, sr_dv0, sr_dv1, sr_dq0, sr_dq1, batch, head,
+    first, count, sr_dv0, sr_dv1, sr_dq0, sr_dq1, batch, head, dqs_base,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
@@ -531,10 +634,12 @@ def _dq_inner(
     DQ_ARITH: tl.constexpr, DQ_TENSOR: tl.constexpr, DQ_EMAX_E: tl.constexpr,
     DQ_LOG2_ME: tl.constexpr, DQ_TRANS: tl.constexpr, DQ_SPLIT: tl.constexpr,
     DQ_SR: tl.constexpr, DQ_SR_BITS: tl.constexpr,
+    TRACE: tl.constexpr, N_STATS: tl.constexpr, DQ_UNDER: tl.constexpr, DQ_OVER: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, tiles held (queries, keys);
     MASKED as in `_dkdv_inner`; DV_SR (P^ for dS = P^ (dP - D)), DQ_SR: stochastic rounding by
-    the words of their streams (keys sr_dv*, sr_dq*), as in the dK/dV kernel."""
+    the words of their streams (keys sr_dv*, sr_dq*), as in the dK/dV kernel. TRACE: each
+    tile's `BACKWARD_STATS` of dS (dQ's) to dqs_base (N_STATS a key tile)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -588,13 +693,20 @@ def _dq_inner(
         else:
             kd = tl.load(kd_ptrs)
         dq += _dot(ds_q, kd, DQ_SPLIT) * f_q
+        if TRACE:
+            _trace_tile(
+                ds, ds_q * f_q, ds, ds, dqs_base + (first + t) * N_STATS, BLOCK_M, BLOCK_N,
+                True, DQ_MODE, DQ_LIFT, DQ_E_MAX, DQ_SQ_LO, DQ_SQ_HI, DQ_S_UNIT, DQ_S_MAX,
+                DQ_E_LO, DQ_E_HI, DQ_QBLOCK, DQ_RULE, DQ_ARITH, DQ_TENSOR, DQ_EMAX_E,
+                DQ_LOG2_ME, DQ_TRANS, DQ_UNDER, DQ_OVER,
+            )
     return dq
 
 
 @triton.jit
 def _attn_bwd_dq(
     Q, K, V, KD, DOP, LSE, DELTA, DQ, QF, KF, DOPF, VF, KDF, qk_scale, scale, H, G, Sq, Sk,
-    SRKeys, sr_batch,
+    SRKeys, sr_batch, DQStats,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
@@ -611,9 +723,13 @@ def _attn_bwd_dq(
     DQ_ARITH: tl.constexpr, DQ_TENSOR: tl.constexpr, DQ_EMAX_E: tl.constexpr,
     DQ_LOG2_ME: tl.constexpr, DQ_TRANS: tl.constexpr, DQ_SPLIT: tl.constexpr,
     DQ_SR: tl.constexpr, DQ_SR_BITS: tl.constexpr,
+    # instrumentation: per-tile statistics (`BACKWARD_STATS`), off by default
+    TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, DQ_UNDER: tl.constexpr = 0.0,
+    DQ_OVER: tl.constexpr = 0.0,
 ):
     """dQ of one query tile of one (batch, head), over the key tiles it sees: first the whole
-    tiles of visible keys (unmasked, as the forward splits them), then the rest (masked)."""
+    tiles of visible keys (unmasked, as the forward splits them), then the rest (masked).
+    TRACE: DQStats (B H, n_q, n_k, N_STATS) takes each tile's statistics of dS in dQ."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -636,6 +752,8 @@ def _attn_bwd_dq(
     s_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + bhk)  # the forward's order
     f_dp = tl.load(VF + bhk) * tl.load(DOPF + bh)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dqs_base = DQStats + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * tl.cdiv(
+        Sk, BLOCK_N) * N_STATS
     n_tiles = tl.cdiv(Sk, BLOCK_N)
     n_free = Sk // BLOCK_N
     if CAUSAL:
@@ -651,7 +769,7 @@ def _attn_bwd_dq(
         dq = _dq_inner(
             dq, q, do_p, lse2, delta, K + k_row0 * HEAD_DIM, V + k_row0 * V_DIM,
             KD + k_row0 * HEAD_DIM, offs_m, rows, s_scale, f_dp, Sk, first, count,
-            sr_dv0, sr_dv1, sr_dq0, sr_dq1, sr_b, h,
+            sr_dv0, sr_dv1, sr_dq0, sr_dq1, sr_b, h, dqs_base,
             r == 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV,
             DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
             DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
@@ -659,6 +777,7 @@ def _attn_bwd_dq(
             DQ_MODE, DQ_LIFT, DQ_EQ_LO, DQ_EQ_HI, DQ_E_UNIT, DQ_E_MAX, DQ_SQ_LO, DQ_SQ_HI,
             DQ_S_UNIT, DQ_S_MAX, DQ_E_LO, DQ_E_HI, DQ_QBLOCK, DQ_RULE, DQ_ARITH, DQ_TENSOR,
             DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS, DQ_SPLIT, DQ_SR, DQ_SR_BITS,
+            TRACE, N_STATS, DQ_UNDER, DQ_OVER,
         )
     dq = dq * (scale * tl.load(KDF + bhk))
     tl.store(DQ + (q_row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
@@ -681,6 +800,7 @@ def attention_backward(
     m_ref: torch.Tensor | None = None,
     leakage_block: int = 0,
     sr_keys: tuple = (None, None, None),
+    trace: dict | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ):
@@ -694,7 +814,9 @@ def attention_backward(
     stream keys (`fp4lab.formats.streams.stream_key`) of `dv_p`, `dq_ds` and `dk_ds`, each
     required where that quantizer rounds stochastically (dv_p's: the forward's P stream for
     the replay and the straight-through backward's P, as the simulation draws them); each a
-    sequence of n keys for n samples stacked along the batch (`flash.sr_key_table`)."""
+    sequence of n keys for n samples stacked along the batch (`flash.sr_key_table`). `trace`:
+    the buffers an instrumented backward (TRACE) fills (`trace_buffers`), or None: the
+    kernels compiled without instrumentation, the very ones of an uninstrumented call."""
     q, qf = ops.q
     k, kf = ops.k
     B, H, Sq, D = q.shape
@@ -718,6 +840,16 @@ def attention_backward(
         DS_FROM_DV=ds_from_dv, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
+    spare = lse  # a pointer for the buffers an uninstrumented kernel never touches
+    dkdv_trace, dq_trace = {}, {}
+    if trace is not None:  # without it the kernels are compiled with TRACE's defaults
+        on = dict(TRACE=True, N_STATS=len(BACKWARD_STATS))
+        bounds = {name: _scale_bounds(tq.pq) for name, tq in (("DV", dv_p), ("DK", dk_ds),
+                                                               ("DQ", dq_ds))}  # fmt: skip
+        dkdv_trace = dict(**on, DV_UNDER=bounds["DV"][0], DV_OVER=bounds["DV"][1],
+                          DK_UNDER=bounds["DK"][0], DK_OVER=bounds["DK"][1])  # fmt: skip
+        dq_trace = dict(**on, DQ_UNDER=bounds["DQ"][0], DQ_OVER=bounds["DQ"][1])
+    stats = trace or dict.fromkeys(("dv", "dk", "dq"), spare)
     # -- dK, dV --
     dk = torch.empty(B, Hk, Sk, D, dtype=q.dtype, device=q.device)
     dv = torch.empty(B, Hk, Sk, Dv, dtype=q.dtype, device=q.device)
@@ -729,9 +861,9 @@ def attention_backward(
         _attn_bwd_dkdv, (triton.cdiv(Sk, block_n), B * Hk),
         (q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv, f32(qf),
          f32(kf), f32(f_dov), f32(f_dop), f32(f_v), f32(f_qd), scale * LOG2E, scale, H, H // Hk,
-         Sq, Sk, *sr_table),
+         Sq, Sk, *sr_table, stats["dv"], stats["dk"]),
         dict(REPLAY=m_ref is not None, LEAK=leakage_block, **common, **dv_constants,
-             **dk_ds.constants("DK", keys_last=False)),
+             **dk_ds.constants("DK", keys_last=False), **dkdv_trace),
     )  # fmt: skip
     # -- dQ --
     dq = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
@@ -739,11 +871,20 @@ def attention_backward(
     _launch(
         _attn_bwd_dq, (triton.cdiv(Sq, block_m), B * H),
         (q, k, v, kd, do_p, lse, delta, dq, f32(qf), f32(kf), f32(f_dop), f32(f_v), f32(f_kd),
-         scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table),
+         scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table, stats["dq"]),
         dict(**common, **dv_p.constants("DV", keys_last=True),
-             **dq_ds.constants("DQ", keys_last=True)),
+             **dq_ds.constants("DQ", keys_last=True), **dq_trace),
     )  # fmt: skip
     return dq, dk, dv
+
+
+def trace_buffers(B, H, Sq, Sk, block_m, block_n, device) -> dict:
+    """An instrumented backward's outputs: for "dv" (P), "dk" and "dq" (dS) each an fp32
+    (B, H, n_q, n_k, len(BACKWARD_STATS)) tensor of per-tile statistics (zeros where a tile
+    is not visited)."""
+    shape = (B, H, triton.cdiv(Sq, block_m), triton.cdiv(Sk, block_n), len(BACKWARD_STATS))
+    return {name: torch.zeros(shape, dtype=torch.float32, device=device) for name in
+            ("dv", "dk", "dq")}  # fmt: skip
 
 
 _STAGES: dict = {}  # (kernel, its constants) -> the pipeline depth that fits in shared memory

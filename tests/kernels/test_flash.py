@@ -154,10 +154,8 @@ def test_p_blocked_along_the_queries_is_refused():
         fp4lab.attention(q, k, v, recipe, backend="triton")
 
 
-def test_trace_mask_and_dtype_are_refused_not_replaced():
+def test_mask_and_dtype_are_refused_not_replaced():
     q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=5)
-    with pytest.raises(NotImplementedError, match="trace"):
-        fp4lab.attention(q, k, v, backend="triton", trace=fp4lab.Trace())
     with pytest.raises(NotImplementedError, match="attn_mask"):
         mask = torch.ones(32, 32, dtype=torch.bool, device=DEVICE)
         fp4lab.attention(q, k, v, backend="triton", attn_mask=mask)

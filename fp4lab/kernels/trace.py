@@ -1,0 +1,332 @@
+"""The Triton backend's `Trace`: the instrumented kernels' buffers as the simulation's schema.
+
+What. `fp4lab.attention(..., backend="triton", trace=t)` fills `t` with the rows and columns
+`backend="reference"` writes (`fp4lab.recipes.trace`: same names, same definitions, same
+index columns), so a notebook switches path with one argument. The forward kernel, compiled
+with its TRACE flag (`fp4lab.kernels.flash`), writes per (batch, head, query tile, key tile)
+sums and counts of P and P^ taken from its registers right after P is quantized
+(`FORWARD_STATS`), each row's flushed probability mass per key tile, and per query tile the
+softmax denominator's error; once `backward()` runs, the backward's dK/dV and dQ kernels,
+compiled with theirs (`fp4lab.kernels.flash_bwd`), write the same sums and counts of P in dV
+and of dS in dK and in dQ (`BACKWARD_STATS`). `record_forward` and `record_backward` turn
+them into columns here.
+
+Where each column comes from.
+- The in-register operands' columns, ``a_err``, ``a_flushed``, ``a_clipped``,
+  ``a_scale_underflow``, ``a_scale_overflow``, ``a_nan`` of ``pv`` (P), ``dv`` (P), ``dq``
+  and ``dk`` (dS), and ``p_mass_lost``, ``prod_nan`` of ``qk`` and ``pv``, the out rows'
+  ``row_sum_err``: the kernels. Counts are exact where the quantized operand is the
+  simulation's (the same quantizer arithmetic; an element within float rounding of a
+  rounding boundary, where the paths' differently ordered sums disagree, moves a count by
+  one: with a per-tile tensor scale the tile's largest element sits on the saturation
+  boundary by construction, so ``a_clipped`` may differ by that one element), sums agree up
+  to the order of their fp32 additions (exp2 of log2-unit scores against exp).
+- The whole-tensor operands' columns (Q, K, V in qk and pv; dO, V, K, Q in dv, dp, dq, dk):
+  on the host, from the unquantized operands and `fp4lab.formats`' quantizer (which the
+  kernels' fused quantizer equals bit for bit) with `fp4lab.recipes.tile_stats`, the
+  simulation's own functions: one pass over each operand.
+- ``out_err``, ``lse_err``: on the host, against exact attention computed by the same forward
+  kernel on the unquantized inputs (a second forward launch). Its P V multiplies P in 16 bits
+  (two bf16 halves) on a GPU, so O_ref carries a relative ~1e-5 (the simulation's float32
+  reference ~1e-7): far below any FP8 or FP4 error. ``out_nan``: from the fp32 output.
+- ``prod_err`` of qk and dp, whose operands are whole tensors: on the host as the simulation
+  computes it, from the tiles' float64 Gram matrices (`fp4lab.recipes.tile_stats.gram_errors`,
+  O(S E^2) work) where a tile has nothing masked, and from both products in float32 over the
+  allowed entries of the masked tiles (the causal band, ragged last tiles).
+- Not written, NaN in the frame and listed in each call's ``meta["not_computed"]``
+  (`NOT_COMPUTED`): ``prod_err`` of pv, dv, dq, dk (an in-register operand's product error
+  needs the same product on the unquantized operand beside the kernel's, more matmuls per
+  tile), the backward products' ``prod_nan``, and ``p_fwd_mismatch``. A `Trace` created
+  with an explicit ``reference_dtype`` asks for reference products and is refused.
+
+Memory. The buffers are small (n_q x n_k x 11 floats per head and product) except the
+forward's flushed mass, which is per query row (Sq x n_k floats per head, block_n times
+smaller than the scores): a row's mass counts in units of its final softmax denominator,
+known only after its last key tile, so the kernel keeps log2(mass) + m per (row, key tile) and
+the host divides at the end. (The backward's P is normalized already: a sum per tile.)
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from fp4lab.formats import FloatFormat, quantize_blocks, round_to_format
+from fp4lab.recipes import (
+    AttentionRecipe,
+    BackwardMode,
+    BackwardV,
+    Product,
+    TensorScope,
+    Trace,
+    TraceCall,
+)
+from fp4lab.recipes.tile_stats import (
+    block_counts,
+    fraction,
+    gram_errors,
+    grams,
+    prefix,
+    product_stats,
+    whole_stats,
+)
+
+__all__ = ["record_forward", "record_backward", "check_trace", "NOT_COMPUTED"]
+
+NOT_COMPUTED = (
+    "pv.prod_err", "dv.prod_err", "dv.prod_nan", "dv.p_fwd_mismatch", "dp.prod_nan",
+    "dq.prod_err", "dq.prod_nan", "dk.prod_err", "dk.prod_nan",
+)  # fmt: skip
+
+
+def check_trace(trace) -> None:
+    """Raise for a trace the Triton backend cannot fill as asked."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace must be an fp4lab Trace or None, got {type(trace).__name__}")
+    if trace.reference_dtype is not None:
+        raise NotImplementedError(
+            f"trace: reference_dtype={trace.reference_dtype}: the Triton backend takes its "
+            "references in fixed precisions (exact attention on its kernel in fp32, the qk and "
+            "dp products from float64 Gram matrices) and cannot take another; use Trace() or "
+            "backend='reference'"
+        )
+
+
+def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exact, cfg: dict):
+    """Add one call to `trace`: `inputs` the unquantized (q, k, v) the kernel's operands were
+    quantized from (k smoothed), `bufs` the kernel's `TraceBuffers`, `out` its (O, lse): O
+    (B, H, Sq, Dv) in fp32, lse in log2 units; `exact` exact attention's (O, lse) (fp32,
+    natural units), `cfg` the call's causal, scale, block_m, block_n and P quantizer mode
+    (`mode`)."""
+    from fp4lab.kernels.flash import FORWARD_STATS
+
+    (o, lse2), (q, k, v) = out, inputs
+    B, H, Sq, _ = q.shape
+    Hk, Sk = k.shape[1], k.shape[2]
+    G, bm, bn = H // Hk, cfg["block_m"], cfg["block_n"]
+    nQ, nK = -(-Sq // bm), -(-Sk // bn)
+    meta = {
+        "backend": "triton", "shape_q": tuple(q.shape), "Sk": Sk, "kv_heads": Hk,
+        "v_dim": v.shape[-1], "dtype": str(q.dtype), "causal": cfg["causal"],
+        "scale": cfg["scale"], "block_m": bm, "block_n": bn, "masked": False, "dropout_p": 0.0,
+        "not_computed": NOT_COMPUTED, "reference_dtype": torch.float32, "seed": None,
+        "generator_initial_seed": None,
+    }  # fmt: skip
+    rec = trace.begin(recipe.name, (B, Hk, G, nQ, nK), meta)
+    heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
+    st = {name: heads(bufs.stats[..., i]) for i, name in enumerate(FORWARD_STATS)}
+    like = st["nonzero"]  # (B, Hkv, G, nQ, nK)
+    q_tiles = lambda x: _tiles(heads_of(x, B, Hk, G), bm)  # noqa: E731
+    k_tiles = lambda x: _tiles(x, bn)  # noqa: E731
+    q_hat, k_hat = _quantized(q, recipe, "q", G), _quantized(k, recipe, "k", 1)
+    qs = whole_stats(q.float(), q_hat, q_tiles)
+    ks = whole_stats(k.float(), k_hat, k_tiles)
+    vs = whole_stats(v.float(), _quantized(v, recipe, "v", 1), k_tiles)
+    q_cols = {n: c[..., None].expand_as(like) for n, c in qs.items()}  # (B, Hkv, G, nQ, 1)
+    k_cols = {n: c[:, :, None, None].expand_as(like) for n, c in ks.items()}
+    v_cols = {n: c[:, :, None, None].expand_as(like) for n, c in vs.items()}
+    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
+    qk_err = _product_errors((q, q_hat.values), (k, k_hat.values), cfg["scale"], cfg, G)
+    qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_err": qk_err,
+          "prod_nan": st["qk_nan"]}  # fmt: skip
+    rec.add(Product.QK, 0, 0, qk, visible)
+    pv = {
+        **prefix(_operand_columns(st, cfg["mode"]), "a"),
+        **prefix(v_cols, "b"),
+        "p_mass_lost": heads(_mass_lost(bufs.lost, lse2, bm)),
+        "prod_nan": st["pv_nan"],
+    }
+    rec.add(Product.PV, 0, 0, pv, visible)
+    sums = bufs.out.double()  # (B, H, nQ, 2)
+    out = {"row_sum_err": sums[..., 0] / sums[..., 1], **_out_errors(o, lse2, *exact, bm)}
+    rec.add_out(0, {name: heads(value) for name, value in out.items()})
+    return rec
+
+
+def record_backward(
+    rec: TraceCall, recipe: AttentionRecipe, inputs, bufs: dict, lse2, modes: dict, cfg: dict
+) -> None:
+    """Add the backward's rows to the forward's record `rec`: `inputs` the unquantized
+    (q, k, v, do) (k smoothed), `bufs` the backward kernels' `trace_buffers`, lse2 the
+    forward's log-sum-exp (log2 units), `modes` the MODE of the quantizers of P in dV and of
+    dS in dQ and dK, `cfg` causal, block_m, block_n."""
+    from fp4lab.kernels.flash_bwd import BACKWARD_STATS
+
+    B, Hk, G, nQ, nK = rec.dims
+    bm, bn, Sq = cfg["block_m"], cfg["block_n"], lse2.shape[-1]
+    heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
+    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
+    rows = _tiles(torch.isfinite(lse2)[..., None].double(), bm).sum((-2, -1))
+    whole = _backward_operands(recipe, inputs, G, bm, bn)
+    like = heads(bufs["dv"][..., 0])
+    side = lambda name: {  # noqa: E731  an operand's tile columns, broadcast to (..., nQ, nK)
+        n: (c[..., None] if name in ("do_dv", "do_dp", "q_dk") else c[:, :, None, None])
+        .expand_as(like) for n, c in whole[name].items()
+    }  # fmt: skip
+    for product, key, b_name in (
+        (Product.DV, "dv", "do_dv"), (Product.DQ, "dq", "k_dq"), (Product.DK, "dk", "q_dk"),
+    ):  # fmt: skip
+        st = {name: heads(bufs[key][..., i]) for i, name in enumerate(BACKWARD_STATS)}
+        cols = {**prefix(_operand_columns(st, modes[key]), "a"), **prefix(side(b_name), "b")}
+        if product is Product.DV:  # P is normalized: the flushed mass is in final units
+            cols["p_mass_lost"] = st["lost"] / heads(rows)[..., None]
+        rec.add(product, 0, 0, cols, visible)
+    (do, do_hat), (v, v_hat) = whole["do_dp"].pop("operands"), whole["v_dp"].pop("operands")
+    dp_err = _product_errors((do, do_hat), (v, v_hat), 1.0, cfg, G)
+    rec.add(Product.DP, 0, 0, {**prefix(side("do_dp"), "a"), **prefix(side("v_dp"), "b"),
+                               "prod_err": dp_err}, visible)  # fmt: skip
+
+
+def _backward_operands(recipe: AttentionRecipe, inputs, G: int, bm: int, bn: int) -> dict:
+    """The operand columns (`whole_stats`) of the backward's whole-tensor operands, each the
+    unquantized tensor against its quantized form as the recipe's backward takes it: dO for
+    dV and dP, V for dP (or the forward's V^), K for dQ, Q for dK; the forward's Q^, K^, V^
+    in a straight-through backward."""
+    q, k, v, do = inputs
+    B, H = q.shape[:2]
+    q_tiles = lambda x: _tiles(heads_of(x, B, H // G, G), bm)  # noqa: E731
+    k_tiles = lambda x: _tiles(x, bn)  # noqa: E731
+    if recipe.backward is BackwardMode.FLASH:
+        v_src = v
+        if recipe.backward_v is BackwardV.FORWARD:  # the forward's V^, quantized again
+            v_src = _quantized(v, recipe, "v", 1).values
+        sources = {"v_dp": (v_src, "dp_v", 1), "k_dq": (k, "dq_k", 1), "q_dk": (q, "dk_q", G)}
+    else:  # straight through the forward's quantizers
+        sources = {"v_dp": (v, "v", 1), "k_dq": (k, "k", 1), "q_dk": (q, "q", G)}
+    sources.update(do_dv=(do, "dv_do", G), do_dp=(do, "dp_do", G))
+    plain = {"do_dv": do, "do_dp": do, "v_dp": v, "k_dq": k, "q_dk": q}
+    out = {}
+    for name, (x, field, groups) in sources.items():
+        tiler = q_tiles if groups == G and name != "k_dq" and name != "v_dp" else k_tiles
+        quant = _quantized(x, recipe, field, groups)
+        out[name] = whole_stats(plain[name].float(), quant, tiler)
+        if name in ("do_dp", "v_dp"):  # dP's operands, for its prod_err
+            out[name]["operands"] = (plain[name], quant.values)
+    return out
+
+
+def _product_errors(a: tuple, b: tuple, scale: float, cfg: dict, G: int) -> torch.Tensor:
+    """``prod_err`` (B, Hkv, G, nQ, nK) of y^ = scale A^ B^^T against y = scale A B^T for
+    whole-tensor operands a = (A, A^) (B, H, Sq, E) and b = (B, B^) (B, Hkv, Sk, E) (S and
+    dP), as the simulation computes it: from the tiles' float64 Gram matrices
+    (`gram_errors`) where a tile has nothing masked, from both products in float32 over the
+    allowed entries where it has (the causal band, ragged last tiles), in chunks of tiles."""
+    (x, x_hat), (z, z_hat) = a, b
+    B, H, Sq = x.shape[:3]
+    Sk, bm, bn = z.shape[2], cfg["block_m"], cfg["block_n"]
+    q_tiles = lambda t: _tiles(heads_of(t.float(), B, H // G, G), bm)  # noqa: E731
+    k_tiles = lambda t: _tiles(t.float(), bn)  # noqa: E731
+    err = gram_errors(grams(x, x_hat, q_tiles), grams(z, z_hat, k_tiles))
+    nQ, nK = err.shape[-2:]
+    rows, keys = torch.arange(nQ * bm), torch.arange(nK * bn)
+    allowed = (rows[:, None] < Sq) & (keys[None, :] < Sk)  # (nQ bm, nK bn)
+    if cfg["causal"]:
+        allowed &= keys[None, :] <= rows[:, None]
+    tiles = allowed.reshape(nQ, bm, nK, bn).transpose(1, 2)  # (nQ, nK, bm, bn)
+    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
+    masked = (~tiles.all((-2, -1)) & visible).nonzero()  # (M, 2): (i, j) of masked tiles
+    xs, xh, zs, zh = q_tiles(x), q_tiles(x_hat), k_tiles(z), k_tiles(z_hat)
+    for chunk in masked.split(64):
+        i, j = chunk[:, 0].to(err.device), chunk[:, 1].to(err.device)
+        keep = tiles[chunk[:, 0], chunk[:, 1]].to(err.device)  # (M, bm, bn)
+        y = _tile_pairs(xh, zh, i, j, scale).masked_fill(~keep, 0)  # (B, Hkv, G, M, bm, bn)
+        y_ref = _tile_pairs(xs, zs, i, j, scale).masked_fill(~keep, 0)
+        err[:, :, :, i, j] = product_stats(y, y_ref, overwrite=True)["prod_err"]
+    return err
+
+
+def _out_errors(o, lse2, o_ref, lse_ref, bm: int) -> dict:
+    """``lse_err``, ``out_err`` and ``out_nan`` per query tile (B, H, nQ) of the output o and
+    lse (log2 units) against exact attention's, over the rows where both lse are finite."""
+    lse = lse2.double() * math.log(2.0)
+    rows = torch.isfinite(lse) & torch.isfinite(lse_ref)  # (B, H, Sq)
+    tile_sum = lambda x: _tiles(x, bm).sum((-2, -1))  # noqa: E731  (B, H, nQ)
+    count = tile_sum(rows[..., None].double())
+    lse_diff = torch.where(rows, (lse - lse_ref.double()).abs(), 0.0)
+    diff = torch.where(rows[..., None], o.double() - o_ref.double(), 0.0)
+    ref = torch.where(rows[..., None], o_ref.double(), 0.0)
+    return {
+        "lse_err": tile_sum(lse_diff[..., None]) / count,
+        "out_err": tile_sum(diff.square()).sqrt() / tile_sum(ref.square()).sqrt(),
+        "out_nan": tile_sum(torch.isnan(o).double()),
+    }
+
+
+def _operand_columns(st: dict, mode: int) -> dict:
+    """An in-register operand's columns from a kernel's sums (`BACKWARD_STATS`' names), as
+    `fp4lab.recipes.tile_stats.operand_stats` defines them; `mode` its quantizer's MODE
+    (0 none: no clipping; 1 a cast and 5 bf16: no block scales; 2 block scales, 3 Direct-P
+    and 4 one FP32 scale per tile: both)."""
+    diff, norm = st["diff2"].sqrt(), st["norm2"].sqrt()
+    nonzero = st["nonzero"]
+    cols = {
+        "err": torch.where(diff == 0, 0.0, diff / norm),
+        "flushed": fraction(nonzero - st["kept"], nonzero),
+        "nan": st["nan"],
+        "clipped": fraction(st["clipped"], nonzero) if mode else torch.zeros_like(diff),
+    }
+    for name in ("underflow", "overflow"):
+        scaled = mode in (2, 3, 4)
+        nan = torch.full_like(diff, math.nan)
+        cols[f"scale_{name}"] = fraction(st[name], st["blocks"]) if scaled else nan
+    return cols
+
+
+def _mass_lost(lost: torch.Tensor, lse2: torch.Tensor, bm: int) -> torch.Tensor:
+    """``p_mass_lost`` (B, H, nQ, nK): each row's flushed mass 2^(log2 mass + m - lse) in
+    units of its final probabilities, averaged over the tile's rows whose lse is finite (in
+    fp32, summed in float64: `lost` is Sq x nK per head, the largest buffer of the trace)."""
+    rows = torch.isfinite(lse2)  # (B, H, Sq)
+    mass = torch.where(rows[..., None], torch.exp2(lost - lse2[..., None]), 0.0)
+    count = _tiles(rows[..., None].double(), bm).sum((-2, -1))  # (B, H, nQ)
+    return _tiles(mass, bm).sum(-2, dtype=torch.float64) / count[..., None]
+
+
+def _tile_pairs(p, r, i, j, scale: float) -> torch.Tensor:
+    """scale P_i R_j^T of the tile pairs (i[m], j[m]): p (B, Hkv, G, nQ, bm, E), r
+    (B, Hkv, nK, bn, E) -> (B, Hkv, G, M, bm, bn)."""
+    return (p[:, :, :, i] @ r[:, :, None, j].transpose(-1, -2)) * scale
+
+
+def _visible(nQ, nK, Sq, bm, bn, causal) -> torch.Tensor:
+    """(nQ, nK) bool on the CPU (where `TraceCall` keeps its tables): the tiles the kernel
+    visits (a causal mask skips those whose first key comes after the tile's last row)."""
+    if not causal:
+        return torch.ones(nQ, nK, dtype=torch.bool)
+    last = torch.clamp(torch.arange(1, nQ + 1) * bm, max=Sq) - 1  # each tile's last row
+    return torch.arange(nK)[None, :] * bn <= last[:, None]
+
+
+def heads_of(x: torch.Tensor, B: int, Hk: int, G: int) -> torch.Tensor:
+    """(B, H, S, E) as (B, Hkv, G, S, E)."""
+    return x.reshape(B, Hk, G, *x.shape[2:])
+
+
+def _tiles(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """(..., S, E) zero-padded to whole tiles of `rows` and cut: (..., n tiles, rows, E)."""
+    pad = -x.shape[-2] % rows
+    x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    return x.reshape(*x.shape[:-2], -1, rows, x.shape[-1])
+
+
+def _quantized(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int):
+    """Operand `field` quantized as a whole tensor by `fp4lab.formats` (the arithmetic of the
+    simulation's and of the kernels' quantizers), with the trace's counts (`block_counts`),
+    in float32: `.values` and `.counts` as `whole_stats` reads them."""
+    spec, xw = getattr(recipe, field), x.float()
+    if spec is None:
+        return SimpleNamespace(values=xw, counts=None)
+    if isinstance(spec, FloatFormat):
+        return SimpleNamespace(
+            values=round_to_format(xw, spec), counts={"clipped": xw.abs() > spec.max}
+        )
+    b, h = x.shape[:2]
+    per_head = recipe.tensor_scope is TensorScope.HEAD
+    view = xw.reshape(b, h // groups, groups, *x.shape[2:]) if per_head else xw
+    bq = quantize_blocks(view, spec, axis=recipe.block_axis(field), batch_dims=2 if per_head else 0)
+    values = bq.dequantize(torch.float32).reshape(x.shape)
+    counts = block_counts(bq.scaled, bq.amax, bq.decode, spec, bq.layout, per_tile=False)
+    counts = {k: c.reshape(x.shape) if c is not None else None for k, c in counts.items()}
+    return SimpleNamespace(values=values, counts=counts)
