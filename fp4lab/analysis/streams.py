@@ -70,11 +70,12 @@ def uniforms(key: int, batch, head, row, column, *, rows_inner: bool = False) ->
     if not rows_inner:
         u = torch.empty(*shape, 4, dtype=torch.float64, device=words[0].device)
         for j, word in enumerate(words):  # word j of a counter: column 4 (column // 4) + j
-            torch.mul(word, _two_to_minus_32(word), out=u[..., j])
-        return u.flatten(-2)  # (..., rows, columns)
+            u[..., j].copy_(word)
+        return u.mul_(_TWO_TO_MINUS_32).flatten(-2)  # (..., rows, columns); exact
     u = torch.empty(*shape[:-1], 4, shape[-1], dtype=torch.float64, device=words[0].device)
     for j, word in enumerate(words):
-        torch.mul(word, _two_to_minus_32(word), out=u[..., j, :])
+        u[..., j, :].copy_(word)
+    u.mul_(_TWO_TO_MINUS_32)
     natural = torch.broadcast_shapes(batch.shape, head.shape, row.shape, column.shape)
     return u.flatten(-3, -2).transpose(-1, -2).view(natural)  # rows innermost
 
@@ -94,12 +95,6 @@ def _unaligned_uniforms(k0: int, k1: int, batch, head, row, column) -> torch.Ten
 def _swap_last(p: torch.Tensor) -> torch.Tensor:
     """A position tensor with its last two dims swapped (a 0-d or 1-d one gains a dim)."""
     return p.reshape((1,) * (2 - p.ndim) + tuple(p.shape)).transpose(-1, -2)
-
-
-def _two_to_minus_32(like: torch.Tensor) -> torch.Tensor:
-    """2^-32 as a 0-d float64 tensor: an int64 word times it is computed, exactly, in
-    float64."""
-    return torch.tensor(_TWO_TO_MINUS_32, dtype=torch.float64, device=like.device)
 
 
 class Draws:
