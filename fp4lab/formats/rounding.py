@@ -25,8 +25,6 @@ from fp4lab.formats.registry import parse_enum
 
 __all__ = ["Rounding", "round_to_format", "as_generator"]
 
-_CPU_CHUNK = 1 << 16  # elements per chunk of stochastic rounding's passes on the CPU
-
 
 class Rounding(enum.Enum):
     """How a value between two neighbouring grid points lo < |x| < hi is rounded (on |x|)."""
@@ -163,32 +161,18 @@ def _round_float32(
 
 
 def _stochastic_magnitude(y: torch.Tensor, u: torch.Tensor, sr_bits: int | None) -> torch.Tensor:
-    """y >= 0 (float32) rounded up with probability frac(y), by the uniforms u, in place:
+    """y >= 0 (float32, overwritten) rounded up with probability frac(y), by the uniforms u:
     the same comparisons as `_round_integer`'s, the fraction exact in float32 and compared in
-    float64. On the CPU, in chunks of `_CPU_CHUNK` elements, so that the few passes over each
-    stay in cache (the arithmetic is element-wise: the chunks do not change a bit)."""
-    if sr_bits is not None:
-        _check_sr_bits(sr_bits)
-    u = u.expand(y.shape)
-    if y.device.type != "cpu" or not (y.is_contiguous() and u.is_contiguous()):
-        return _round_up_where_below(y, u, sr_bits)
-    flat_y, flat_u = y.view(-1), u.reshape(-1)
-    for start in range(0, flat_y.numel(), _CPU_CHUNK):
-        part = slice(start, start + _CPU_CHUNK)
-        _round_up_where_below(flat_y[part], flat_u[part], sr_bits)
-    return y
-
-
-def _round_up_where_below(y: torch.Tensor, u: torch.Tensor, sr_bits: int | None) -> torch.Tensor:
-    """y >= 0 overwritten with floor(y) + (u < frac(y)) (with `sr_bits`, both compared in
-    units of 2^-r); frac(y) = y - trunc(y) is exact."""
-    frac = torch.frac(y)
+    float64."""
+    low = torch.floor(y)
+    frac = y.sub_(low)
     if sr_bits is None:
         up = u < frac
     else:
+        _check_sr_bits(sr_bits)
         scale = float(1 << sr_bits)
         up = torch.floor(u * scale) < frac.mul_(scale).floor_()  # frac * 2^r is exact
-    return y.floor_().add_(up.view(torch.uint8))  # 0 or 1 (bool to float is the slow one)
+    return low.add_(up.view(torch.uint8))  # 0 or 1 (bool to float is the slow conversion)
 
 
 def _check_sr_bits(sr_bits) -> None:

@@ -316,10 +316,9 @@ def test_float32_fast_path_rounds_stochastically_as_the_float64_path(fmt, sr_bit
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed-noise"])
 @pytest.mark.parametrize("sr_bits", [None, 5])
-def test_stochastic_rounding_in_chunks_rounds_as_the_float64_path(layout, sr_bits):
-    """More elements than the float32 path's CPU chunk (2^16), in a size that is no multiple
-    of it, and uniforms that are a transposed view (then it runs whole): the same bits as the
-    float64 path."""
+def test_large_stochastic_rounding_rounds_as_the_float64_path(layout, sr_bits):
+    """Over 2^17 elements, in a size that is no power of two, with contiguous uniforms and
+    with uniforms that are a transposed view: the same bits as the float64 path."""
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(3, 2 * (1 << 16) // 3 + 411, generator=gen) * 5).T  # (43xxx, 3) view
     x = x.contiguous()
@@ -329,4 +328,4 @@ def test_stochastic_rounding_in_chunks_rounds_as_the_float64_path(layout, sr_bit
     fast = round_to_format(x, F.FP4_E2M1, rounding="stochastic", noise=u, sr_bits=sr_bits)
     slow = round_to_format(x.double(), F.FP4_E2M1, rounding="stochastic", noise=u,
                            sr_bits=sr_bits).float()
-    assert_same_bits(fast, slow, x, f"E2M1 stochastic in chunks, {layout}")
+    assert_same_bits(fast, slow, x, f"E2M1 stochastic, {layout}")
