@@ -98,10 +98,7 @@ def quantize_field(x, field: str, ps: Pass, at: tuple[int, int] | None = None) -
     query-side tensor's G heads of a group share it)."""
     recipe = ps.recipe
     spec, op, axis = getattr(recipe, field), operand(field), recipe.block_axis(field)
-    noise = None
-    if stochastic(spec):  # laid out as 1-D blocks along `axis` read them (the values do not care)
-        along = axis if spec.block is not None and len(spec.block) == 1 else -1
-        noise = ps.draws.for_operand(field, x, at, along)
+    noise = ps.draws.for_operand(field, x, at) if stochastic(spec) else None
     lift = getattr(recipe, op.lift) if op.lift else 1.0
     counts = ps.counts
     if op.per_tile or recipe.tensor_scope is TensorScope.TENSOR:

@@ -48,53 +48,25 @@ def _mix(*values: int) -> int:
     return h
 
 
-def uniforms(key: int, batch, head, row, column, *, rows_inner: bool = False) -> torch.Tensor:
+def uniforms(key: int, batch, head, row, column) -> torch.Tensor:
     """float64 uniforms of the broadcast shape of the int64 position tensors, for the stream
     keyed by `key`. Where `column`'s last dim runs over whole aligned groups of four
     (starts at a multiple of 4 and has a multiple of 4 entries), one counter serves four
-    columns; elsewhere each element takes word (column % 4) of its own counter.
-
-    The values are a function of the positions alone; `rows_inner` only chooses how they lie
-    in memory: rows innermost (the result is a transposed view of a contiguous tensor, as a
-    quantizer whose blocks run along the rows reads it), instead of columns innermost."""
+    columns; elsewhere each element takes word (column % 4) of its own counter."""
     k0, k1 = split_key(key)
     first = column[..., :1]
     aligned = column.shape[-1] % 4 == 0 and bool((first % 4 == 0).all())
-    if not aligned:
-        return _unaligned_uniforms(k0, k1, batch, head, row, column)
-    position = (column[..., ::4] >> 2, row, head, batch)  # the counters (..., columns / 4)
-    if rows_inner:  # counters (..., columns / 4, rows), then rows in each group's word
-        position = tuple(_swap_last(p) for p in position)
-    words = philox4x32(*position, k0, k1)
-    shape = words[0].shape
-    if not rows_inner:
-        u = torch.empty(*shape, 4, dtype=torch.float64, device=words[0].device)
-        for j, word in enumerate(words):  # word j of a counter: column 4 (column // 4) + j
-            u[..., j].copy_(word)
-        return u.mul_(_TWO_TO_MINUS_32).flatten(-2)  # (..., rows, columns); exact
-    u = torch.empty(*shape[:-1], 4, shape[-1], dtype=torch.float64, device=words[0].device)
-    for j, word in enumerate(words):
-        u[..., j, :].copy_(word)
-    u.mul_(_TWO_TO_MINUS_32)
-    natural = torch.broadcast_shapes(batch.shape, head.shape, row.shape, column.shape)
-    return u.flatten(-3, -2).transpose(-1, -2).view(natural)  # rows innermost
-
-
-def _unaligned_uniforms(k0: int, k1: int, batch, head, row, column) -> torch.Tensor:
-    """`uniforms` where the columns are not whole aligned groups of four: each element takes
-    word (column % 4) of its own counter."""
-    words = torch.broadcast_tensors(*philox4x32(column >> 2, row, head, batch, k0, k1))
-    stacked = (
-        torch.stack(words, dim=-1)
-        .gather(-1, (column % 4).unsqueeze(-1).expand(*words[0].shape, 1))
-        .squeeze(-1)
-    )
+    if aligned:  # counters (..., columns / 4), their four words side by side
+        words = philox4x32(column[..., ::4] >> 2, row, head, batch, k0, k1)
+        stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1).flatten(-2)
+    else:
+        words = torch.broadcast_tensors(*philox4x32(column >> 2, row, head, batch, k0, k1))
+        stacked = (
+            torch.stack(words, dim=-1)
+            .gather(-1, (column % 4).unsqueeze(-1).expand(*words[0].shape, 1))
+            .squeeze(-1)
+        )
     return stacked.to(torch.float64).mul_(_TWO_TO_MINUS_32)
-
-
-def _swap_last(p: torch.Tensor) -> torch.Tensor:
-    """A position tensor with its last two dims swapped (a 0-d or 1-d one gains a dim)."""
-    return p.reshape((1,) * (2 - p.ndim) + tuple(p.shape)).transpose(-1, -2)
 
 
 class Draws:
@@ -106,43 +78,29 @@ class Draws:
         self.key = int(torch.randint(0, 1 << 62, (1,), generator=generator, device=device).item())
         self.block_m, self.block_n = block_m, block_n
 
-    def for_operand(
-        self, field: str, x: torch.Tensor, at: tuple[int, int] | None, along: int = -1
-    ) -> torch.Tensor:
+    def for_operand(self, field: str, x: torch.Tensor, at: tuple[int, int] | None) -> torch.Tensor:
         """Uniforms of x's shape for operand `field`: x a block of tiles
         (B, Hkv, G, n, g, r, c) whose first tile is (query tile, key tile) `at`, or, when
-        `at` is None, a whole tensor (B, heads, seq, E). `along` is the axis the caller reads
-        them along (its blocks' axis): rows (-2) lie innermost in memory then; the values do
-        not depend on it."""
+        `at` is None, a whole tensor (B, heads, seq, E)."""
         stream = operand(field).stream
         if at is not None:
-            return self.for_tiles(stream, x, at, along)
+            return self.for_tiles(stream, x, at)
         b, h, s, e = x.shape
         width = -(-e // 4) * 4  # whole groups of four columns, cropped after
         position = (_index(b, 0, 4), _index(h, 1, 4), _index(s, 2, 4), _index(width, 3, 4))
         position = tuple(p.to(x.device) for p in position)
-        rows_inner = _is_rows(along, x.ndim)
-        return uniforms(_mix(self.key, stream), *position, rows_inner=rows_inner)[..., :e]
+        return uniforms(_mix(self.key, stream), *position)[..., :e]
 
-    def for_tiles(
-        self, stream: int, x: torch.Tensor, at: tuple[int, int], along: int = -1
-    ) -> torch.Tensor:
+    def for_tiles(self, stream: int, x: torch.Tensor, at: tuple[int, int]) -> torch.Tensor:
         """Uniforms of x's shape for a block of tiles x (B, Hkv, G, n, g, r, c) whose first
-        tile is (query tile, key tile) `at`, from stream `stream`; `along` as in
-        `for_operand`."""
+        tile is (query tile, key tile) `at`, from stream `stream`."""
         b, hk, g, n, m, r, c = x.shape
         i0, j0 = at
         head = _index(hk, 1, 7) * g + _index(g, 2, 7)  # the query head
         rows = (i0 + _index(n, 3, 7)) * self.block_m + _index(r, 5, 7)
         cols = (j0 + _index(m, 4, 7)) * self.block_n + _index(c, 6, 7)
         position = tuple(p.to(x.device) for p in (_index(b, 0, 7), head, rows, cols))
-        rows_inner = _is_rows(along, x.ndim)
-        return uniforms(_mix(self.key, stream), *position, rows_inner=rows_inner)
-
-
-def _is_rows(axis: int, ndim: int) -> bool:
-    """Whether `axis` of an `ndim`-dim tensor is its rows (its second-to-last dim)."""
-    return axis % ndim == ndim - 2
+        return uniforms(_mix(self.key, stream), *position)
 
 
 def _index(n: int, dim: int, ndim: int) -> torch.Tensor:
@@ -156,5 +114,5 @@ class ZeroDraws:
     """Uniforms that are all 0, where the draws do not matter: the trace's counts depend on
     block scales and scaled elements before rounding only, never on the draws."""
 
-    def for_operand(self, field: str, x: torch.Tensor, at, along: int = -1) -> torch.Tensor:
+    def for_operand(self, field: str, x: torch.Tensor, at) -> torch.Tensor:
         return torch.zeros(x.shape, dtype=torch.float64, device=x.device)

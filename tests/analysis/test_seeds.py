@@ -3,7 +3,6 @@
 import dataclasses
 
 import pandas as pd
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -205,38 +204,3 @@ def test_a_whole_operand_draws_what_its_tiles_draw():
     later = draws.for_operand("p", tiles[:, :, :, 1:, 1:], (1, 1))
     assert torch.equal(later, got[:, :, :, 1:, 1:])
     assert not torch.equal(draws.for_operand("dq_ds", p, None), whole)
-
-
-@pytest.mark.parametrize("at", [(0, 0), (3, 1)])
-@pytest.mark.parametrize("tile", [(4, 8), (6, 12)], ids=lambda t: f"{t[0]}x{t[1]}")
-def test_rows_inner_draws_lie_otherwise_and_are_the_same(tile, at):
-    """Uniforms asked with rows innermost (for blocks along the rows: dV's P, dK's dS) are
-    the same values as the columns-innermost ones, element by element, stored transposed so
-    that the quantizer's row blocks are a view."""
-    import sys
-
-    module = sys.modules["fp4lab.analysis.streams"]
-    draws = module.Draws(torch.Generator().manual_seed(11), block_m=tile[0], block_n=tile[1])
-    x = torch.zeros(2, 2, 3, 2, 3, *tile)  # (B, Hkv, G, n, g, r, c)
-    columns = draws.for_tiles(8, x, at)
-    rows = draws.for_tiles(8, x, at, along=-2)
-    assert columns.is_contiguous() and rows.transpose(-1, -2).is_contiguous()
-    assert rows.shape == columns.shape and torch.equal(rows, columns)
-    whole = torch.zeros(2, 3, 13, 10)  # (B, heads, seq, E): E not a multiple of 4
-    natural = draws.for_operand("dv_do", whole, None)
-    transposed = draws.for_operand("dv_do", whole, None, along=-2)
-    assert torch.equal(natural, transposed)
-    assert transposed.stride()[-2] == 1 and natural.stride()[-1] == 1
-
-
-def test_rows_inner_uniforms_keep_the_positions_shape():
-    import sys
-
-    module = sys.modules["fp4lab.analysis.streams"]
-    position = (torch.tensor(1), torch.tensor(0), torch.arange(5).view(5, 1))
-    want = module.uniforms(7, *position, torch.arange(8).view(1, 8))
-    got = module.uniforms(7, *position, torch.arange(8).view(1, 8), rows_inner=True)
-    assert got.shape == want.shape and torch.equal(got, want)
-    flat = module.uniforms(7, torch.tensor(0), torch.tensor(0), torch.tensor(3), torch.arange(8))
-    assert torch.equal(flat, module.uniforms(7, torch.tensor(0), torch.tensor(0),
-                                             torch.tensor(3), torch.arange(8), rows_inner=True))
