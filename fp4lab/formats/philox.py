@@ -33,7 +33,7 @@ arithmetic one (a floor division): exact, with no overflow.
 Counters usually come as a grid: each word varies along a few dims of the broadcast shape
 (for stochastic rounding, c0 along the columns, c1 along the rows, c2 with the head, c3 with
 the batch). A round's output words vary along the union of the dims of the words they mix,
-so the first rounds run on the broadcast (small) words and cost what those hold; once three
+so the first rounds run on the broadcast (small) words and cost what those hold; once two
 of the four words span the whole shape, the remaining rounds run in place on full-size
 buffers (seven of them: four words, three spares), so that no round allocates memory. On the
 CPU the broadcast shape is cut into pieces of at most 2^18 elements, to bound the buffers'
@@ -188,7 +188,7 @@ def _rounds(counters: list[torch.Tensor], spares: list[torch.Tensor], k0, k1, ro
 
 def _pieces(shape: torch.Size, limit: int):
     """Index tuples (one slice per dim) cutting `shape` into row-major pieces of at most
-    `limit` elements (or of one element each, where `limit` is smaller than the last dim)."""
+    `limit` elements (slices of the last dim where that dim alone is longer)."""
     d, inner, k = len(shape), 1, len(shape)
     while k > 0 and inner * shape[k - 1] <= limit:
         inner, k = inner * shape[k - 1], k - 1
