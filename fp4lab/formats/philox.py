@@ -28,13 +28,21 @@ How, in torch. torch has no uint32 arithmetic, so a word is an int64 holding a v
 [0, 2^32). The product M * c can reach 2^64 - 2^33 + 1 and overflow int64; instead
 s = (M - 2^32) * c is taken, which lies in (-2^62, 0] since 2^32 - M < 2^30. Then
 M * c = s + 2^32 c gives lo = s & (2^32 - 1) and hi = c + (s >> 32), the shift being an
-arithmetic one (a floor division): exact, with no overflow. On the CPU the rounds run over
-chunks of 2^16 elements in seven preallocated buffers, in place, so that the working set
-stays in cache and no round allocates memory.
+arithmetic one (a floor division): exact, with no overflow.
+
+Counters usually come as a grid: each word varies along a few dims of the broadcast shape
+(for stochastic rounding, c0 along the columns, c1 along the rows, c2 with the head, c3 with
+the batch). A round's output words vary along the union of the dims of the words they mix,
+so the first rounds run on the broadcast (small) words and cost what those hold; once two
+of the four words span the whole shape, the remaining rounds run in place on full-size
+buffers (seven of them: four words, three spares), so that no round allocates memory. On the
+CPU the broadcast shape is cut into pieces of at most 2^18 elements, to bound the buffers'
+size; the rounds are element-wise, so neither the grid nor the pieces change a word.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -60,7 +68,7 @@ PHILOX_W32_1 = 0xBB67AE85
 """W1, the Weyl increment of key word 1 per round: floor(2^32 (sqrt(3) - 1))."""
 
 _WORD_MASK = 0xFFFFFFFF
-_CPU_CHUNK = 1 << 16  # elements per chunk: seven int64 buffers of it fit the caches
+_CPU_PIECE = 1 << 18  # elements per piece of the broadcast shape on the CPU (seven int64 buffers)
 _MULTIPLIERS_MINUS_2_32 = (PHILOX_M4x32_0 - (1 << 32), PHILOX_M4x32_1 - (1 << 32))  # in (-2^30, 0)
 
 
@@ -77,26 +85,22 @@ def philox4x32(
     element-wise over the arguments' broadcast shape.
 
     Counters are int64 tensors of uint32 words (values in [0, 2^32)); keys are such ints or
-    tensors. Returns the four output words (w0, w1, w2, w3), int64 tensors of uint32 words, on
-    c0's device.
+    tensors. Returns the four output words (w0, w1, w2, w3), int64 tensors of uint32 words
+    with the broadcast shape, contiguous, on c0's device.
     """
     _check_arguments(c0, c1, c2, c3, k0, k1, rounds)
-    inputs = (c0, c1, c2, c3, k0, k1)
-    shape = torch.broadcast_shapes(*(x.shape for x in inputs if isinstance(x, torch.Tensor)))
-    n, device = math.prod(shape), c0.device
-    flat = [_flatten(x, shape) for x in inputs]
-    out = [torch.empty(n, dtype=torch.int64, device=device) for _ in range(4)]
-    buffers = torch.empty(7, _chunk_length(n, device), dtype=torch.int64, device=device)
-    for part in _chunks(n, device):
-        length = part.stop - part.start
-        counters, spares = list(buffers[:4, :length]), list(buffers[4:, :length])
-        for counter, word in zip(counters, flat[:4], strict=True):
-            counter.copy_(_take(word, part))
-        keys = _take(flat[4], part), _take(flat[5], part)
-        for o, word in zip(out, _rounds(counters, spares, *keys, rounds), strict=True):
-            o[part].copy_(word)
-    w0, w1, w2, w3 = (o.view(shape) for o in out)
-    return w0, w1, w2, w3
+    words = (c0, c1, c2, c3, k0, k1)
+    shape = torch.broadcast_shapes(*(x.shape for x in words if isinstance(x, torch.Tensor)))
+    limit = _CPU_PIECE if c0.device.type == "cpu" else math.prod(shape)
+    if math.prod(shape) <= limit:
+        return _philox_piece(words, shape, rounds)
+    out = tuple(torch.empty(shape, dtype=torch.int64, device=c0.device) for _ in range(4))
+    scratch = torch.empty(7, limit, dtype=torch.int64, device=c0.device)  # reused by every piece
+    for index in _pieces(shape, limit):
+        part, piece = [_piece_of(x, index) for x in words], out[0][index].shape
+        for whole, word in zip(out, _philox_piece(part, piece, rounds, scratch), strict=True):
+            whole[index] = word
+    return out
 
 
 def _check_arguments(c0, c1, c2, c3, k0, k1, rounds) -> None:
@@ -108,9 +112,61 @@ def _check_arguments(c0, c1, c2, c3, k0, k1, rounds) -> None:
         raise ValueError(f"rounds must be a non-negative int, got {rounds!r}")
 
 
+def _philox_piece(words, shape: torch.Size, rounds: int, scratch: torch.Tensor | None = None):
+    """`rounds` rounds of the broadcastable words (c0, c1, c2, c3, k0, k1) over `shape`:
+    broadcast rounds while at most one counter word spans the shape, then in place on
+    buffers of `shape` (views of `scratch`, (7, >= numel), where given)."""
+    c0, c1, c2, c3, k0, k1 = words
+    n, done = math.prod(shape), 0
+    while done < rounds and sum(c.numel() == n for c in (c0, c1, c2, c3)) <= 1:
+        c0, c1, c2, c3 = _broadcast_round(c0, c1, c2, c3, k0, k1)
+        k0, k1 = _next_keys(k0, k1)
+        done += 1
+    if scratch is None:
+        scratch = torch.empty(7, n, dtype=torch.int64, device=c0.device)
+    buffers = [b[:n].view(shape) for b in scratch]
+    owned = done > 0  # words a round made may serve as buffers; the caller's may not
+    counters = [
+        c.view(shape) if owned and c.numel() == n and c.is_contiguous() else b.copy_(c)
+        for c, b in zip((c0, c1, c2, c3), buffers, strict=False)
+    ]
+    w0, w1, w2, w3 = _rounds(counters, buffers[4:], k0, k1, rounds - done)
+    return w0, w1, w2, w3
+
+
+def _broadcast_round(c0, c1, c2, c3, k0, k1):
+    """One Philox round on broadcastable words: each product on its own word's shape, each
+    new word on the broadcast shape of the words it mixes."""
+    s0 = c0 * _MULTIPLIERS_MINUS_2_32[0]
+    hi0, lo0 = torch.bitwise_right_shift(s0, 32).add_(c0), s0.bitwise_and_(_WORD_MASK)
+    s1 = c2 * _MULTIPLIERS_MINUS_2_32[1]
+    hi1, lo1 = torch.bitwise_right_shift(s1, 32).add_(c2), s1.bitwise_and_(_WORD_MASK)
+    return _xor3(hi1, c1, k0), lo1, _xor3(hi0, c3, k1), lo0
+
+
+def _xor3(fresh: torch.Tensor, word: torch.Tensor, key) -> torch.Tensor:
+    """fresh ^ key ^ word for broadcastable words, `fresh` (a tensor a round made) overwritten
+    where the result has its shape; the key (an int, or a tensor) first."""
+    out = fresh.bitwise_xor_(key) if _fits(key, fresh) else torch.bitwise_xor(fresh, key)
+    return out.bitwise_xor_(word) if _fits(word, out) else torch.bitwise_xor(out, word)
+
+
+def _fits(x, into: torch.Tensor) -> bool:
+    """Whether x (an int or a tensor) broadcasts into `into` without growing it."""
+    if not isinstance(x, torch.Tensor):
+        return True
+    pairs = zip(reversed(x.shape), reversed(into.shape), strict=False)
+    return x.ndim <= into.ndim and all(a in (1, b) for a, b in pairs)
+
+
+def _next_keys(k0, k1):
+    """The next round's key words: (k0 + W0, k1 + W1) mod 2^32."""
+    return (k0 + PHILOX_W32_0) & _WORD_MASK, (k1 + PHILOX_W32_1) & _WORD_MASK
+
+
 def _rounds(counters: list[torch.Tensor], spares: list[torch.Tensor], k0, k1, rounds: int):
-    """`rounds` Philox rounds on four equal-length word tensors, overwriting them and the three
-    equal-length spare buffers; returns the four result words (some of those seven buffers)."""
+    """`rounds` Philox rounds on four equal-shape word tensors, overwriting them and the three
+    equal-shape spare buffers; returns the four result words (some of those seven buffers)."""
     c0, c1, c2, c3 = counters
     lo0, hi0, hi1 = spares
     for _ in range(rounds):
@@ -126,8 +182,34 @@ def _rounds(counters: list[torch.Tensor], spares: list[torch.Tensor], k0, k1, ro
         hi1.bitwise_xor_(c1).bitwise_xor_(k0)
         hi0.bitwise_xor_(c3).bitwise_xor_(k1)
         (c0, c1, c2, c3), (lo0, hi0, hi1) = (hi1, lo1, hi0, lo0), (c1, c2, c3)
-        k0, k1 = (k0 + PHILOX_W32_0) & _WORD_MASK, (k1 + PHILOX_W32_1) & _WORD_MASK
+        k0, k1 = _next_keys(k0, k1)
     return c0, c1, c2, c3
+
+
+def _pieces(shape: torch.Size, limit: int):
+    """Index tuples (one slice per dim) cutting `shape` into row-major pieces of at most
+    `limit` elements (slices of the last dim where that dim alone is longer)."""
+    d, inner, k = len(shape), 1, len(shape)
+    while k > 0 and inner * shape[k - 1] <= limit:
+        inner, k = inner * shape[k - 1], k - 1
+    if k == 0:  # the whole shape is one piece
+        yield (slice(None),) * d
+        return
+    step = max(1, limit // inner)  # along dim k - 1; the dims after it are whole
+    whole = (slice(None),) * (d - k)
+    for outer in itertools.product(*(range(n) for n in shape[: k - 1])):
+        head = tuple(slice(i, i + 1) for i in outer)
+        for start in range(0, shape[k - 1], step):
+            yield head + (slice(start, min(start + step, shape[k - 1])),) + whole
+
+
+def _piece_of(x, index: tuple[slice, ...]):
+    """The part of a broadcastable word (an int or a tensor) that a piece of the broadcast
+    shape reads: its dims of size one stay whole."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x.reshape((1,) * (len(index) - x.ndim) + tuple(x.shape))
+    return x[tuple(i if n > 1 else slice(None) for i, n in zip(index, x.shape, strict=True))]
 
 
 def uniform53(w0: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
@@ -137,39 +219,14 @@ def uniform53(w0: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
     _check_words(w0, "w0")
     _check_words(w1, "w1")
     shape = torch.broadcast_shapes(w0.shape, w1.shape)
-    high, low = _flatten(w0, shape), _flatten(w1, shape)
     u = torch.empty(shape, dtype=torch.float64, device=w0.device)
-    for part in _chunks(u.numel(), w0.device):
-        bits = torch.bitwise_right_shift(_take(high, part), 5).bitwise_left_shift_(26)
-        bits = torch.bitwise_or(bits, torch.bitwise_right_shift(_take(low, part), 6))
-        u.view(-1)[part].copy_(bits).mul_(2.0**-53)  # bits < 2^53: exact in float64
+    limit = _CPU_PIECE if w0.device.type == "cpu" else max(u.numel(), 1)
+    for index in _pieces(shape, limit):
+        high, low = _piece_of(w0, index), _piece_of(w1, index)
+        bits = torch.bitwise_right_shift(high, 5).bitwise_left_shift_(26)
+        bits = torch.bitwise_or(bits, torch.bitwise_right_shift(low, 6))
+        u[index].copy_(bits).mul_(2.0**-53)  # bits < 2^53: exact in float64
     return u
-
-
-def _chunk_length(n: int, device: torch.device) -> int:
-    """Elements per chunk of work: `_CPU_CHUNK` on the CPU, to work in cache; n elsewhere."""
-    return min(n, _CPU_CHUNK) if device.type == "cpu" else n
-
-
-def _chunks(n: int, device: torch.device) -> list[slice]:
-    """range(n) in slices of `_chunk_length` elements."""
-    step = max(_chunk_length(n, device), 1)
-    return [slice(start, min(start + step, n)) for start in range(0, n, step)]
-
-
-def _flatten(x: int | torch.Tensor, shape: torch.Size) -> int | torch.Tensor:
-    """x broadcast to `shape` and flattened; an int, or a 0-d tensor for one element, stays
-    whole (the operations broadcast it)."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    if x.numel() == 1:
-        return x.reshape(())
-    return x.expand(shape).reshape(-1)  # a view where x already has the shape, contiguous
-
-
-def _take(x: int | torch.Tensor, part: slice) -> int | torch.Tensor:
-    """The chunk `part` of a flattened argument (an int or a 0-d tensor is whole)."""
-    return x[part] if isinstance(x, torch.Tensor) and x.dim() == 1 else x
 
 
 def split_key(key: int) -> tuple[int, int]:

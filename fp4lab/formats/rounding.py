@@ -172,7 +172,7 @@ def _stochastic_magnitude(y: torch.Tensor, u: torch.Tensor, sr_bits: int | None)
         _check_sr_bits(sr_bits)
         scale = float(1 << sr_bits)
         up = torch.floor(u * scale) < frac.mul_(scale).floor_()  # frac * 2^r is exact
-    return low.add_(up)
+    return low.add_(up.view(torch.uint8))  # 0 or 1 (bool to float is the slow conversion)
 
 
 def _check_sr_bits(sr_bits) -> None:

@@ -2,13 +2,17 @@
 oracle on thousands of random counters and keys, chunking, shapes and broadcasting,
 uniform53's exact values, split_key, and bad input."""
 
+import math
 import random
 import re
+import sys
 
 import pytest
 import torch
 
 from fp4lab.formats.philox import philox4x32, split_key, uniform53
+
+philox_module = sys.modules["fp4lab.formats.philox"]
 
 MASK = 0xFFFFFFFF
 EDGE_WORDS = [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, MASK]
@@ -98,18 +102,58 @@ def test_int_keys_match_python(key):
     assert_matches_python(philox4x32(*counters, *keys), counters, keys, rounds=10)
 
 
-def test_chunking_does_not_change_the_words():
-    """More elements than a CPU chunk (2^16): an element's words do not depend on the slice
-    of counters it is computed in, nor on where the chunks begin and end."""
-    n = (1 << 17) + 5
+@pytest.mark.parametrize("piece", [1, 7, 1000], ids=lambda n: f"pieces-of-{n}")
+def test_pieces_do_not_change_the_words(monkeypatch, piece):
+    """Cut into pieces of `piece` elements (the CPU cuts at 2^18): an element's words do not
+    depend on the piece it is computed in, nor on where the pieces begin and end."""
+    n = 5003
     counters = [torch.arange(n), random_words(n, 1), torch.tensor(7), torch.tensor(MASK)]
     whole = torch.stack(philox4x32(*counters, 0x1234, 0xABCD))
-    for start, stop in [(0, 3), (65530, 65545), (n - 4000, n), (1, n)]:
+    monkeypatch.setattr(philox_module, "_CPU_PIECE", piece)
+    assert torch.equal(torch.stack(philox4x32(*counters, 0x1234, 0xABCD)), whole)
+    for start, stop in [(0, 3), (995, 1010), (n - 400, n), (1, n)]:
         part = [c[start:stop] if c.dim() else c for c in counters]
         assert torch.equal(torch.stack(philox4x32(*part, 0x1234, 0xABCD)), whole[:, start:stop])
-    sample = [0, 1, 65535, 65536, 65537, 131071, 131072, n - 1]
+    sample = [0, 1, 999, 1000, 1001, 4999, n - 1]
     picked = [c[sample] if c.dim() else c for c in counters]
     assert_matches_python(whole[:, sample], picked, (0x1234, 0xABCD), rounds=10)
+
+
+GRIDS = {  # counter words along a few dims each, as stochastic rounding's positions are
+    "tiles": ((1, 1, 1, 3, 1, 7, 5), (1, 1, 1, 1, 1, 7, 1), (1, 2, 3, 1, 1, 1, 1),
+              (2, 1, 1, 1, 1, 1, 1)),
+    "rows-inner": ((3, 5, 1), (3, 1, 11), (1, 1, 1), (1, 1, 1)),
+    "one-full": ((4, 9, 13), (1, 9, 1), (), (1, 1, 13)),
+    "columns-only": ((6, 1, 1), (), (), ()),
+    "empty": ((0, 3), (1, 3), (), ()),
+}
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 2, 3, 4, 10])
+@pytest.mark.parametrize("piece", [7, 1 << 18], ids=lambda n: f"pieces-of-{n}")
+@pytest.mark.parametrize("grid", GRIDS)
+def test_broadcast_grids_draw_what_their_materialised_counters_draw(monkeypatch, grid, piece,
+                                                                   rounds):
+    """Counters given as a broadcast grid (the first rounds then run on the small words) give
+    the words of the same counters materialised element by element, which the Python
+    Philox checks; the caller's words are left as they were."""
+    shapes = GRIDS[grid]
+    words = [random_words(math.prod(s), seed).long().reshape(s) for seed, s in enumerate(shapes)]
+    keys = (0x9E3779B9, random_words(5, 9).reshape(5, 1, 1)[:1]) if grid == "rows-inner" else (
+        0xFFFFFFFF, 0)
+    before = [w.clone() for w in words]
+    monkeypatch.setattr(philox_module, "_CPU_PIECE", piece)
+    got = philox4x32(*words, *keys, rounds=rounds)
+    shape = torch.broadcast_shapes(*shapes)
+    assert all(w.shape == shape and w.is_contiguous() for w in got)
+    assert all(torch.equal(w, b) for w, b in zip(words, before, strict=True))
+    flat = [w.expand(shape).contiguous() for w in words]
+    monkeypatch.setattr(philox_module, "_CPU_PIECE", 1 << 18)
+    want = philox4x32(*flat, *keys, rounds=rounds)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"word {i}: first mismatch at {(a != b).nonzero()[:1].tolist()}"
+    if math.prod(shape):
+        assert_matches_python(got, flat, keys, rounds)
 
 
 def test_broadcasting_and_shapes():

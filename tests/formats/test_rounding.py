@@ -312,3 +312,20 @@ def test_float32_fast_path_rounds_stochastically_as_the_float64_path(fmt, sr_bit
     b = round_to_format(x.double(), fmt, rounding="stochastic", generator=9, sr_bits=sr_bits)
     b = b.float()
     assert_same_bits(a, b, x, f"{fmt.name} stochastic generator")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed-noise"])
+@pytest.mark.parametrize("sr_bits", [None, 5])
+def test_large_stochastic_rounding_rounds_as_the_float64_path(layout, sr_bits):
+    """Over 2^17 elements, in a size that is no power of two, with contiguous uniforms and
+    with uniforms that are a transposed view: the same bits as the float64 path."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 2 * (1 << 16) // 3 + 411, generator=gen) * 5).T  # (43xxx, 3) view
+    x = x.contiguous()
+    u = torch.rand(x.shape[::-1], generator=gen, dtype=torch.float64).T
+    if layout == "contiguous":
+        u = u.contiguous()
+    fast = round_to_format(x, F.FP4_E2M1, rounding="stochastic", noise=u, sr_bits=sr_bits)
+    slow = round_to_format(x.double(), F.FP4_E2M1, rounding="stochastic", noise=u,
+                           sr_bits=sr_bits).float()
+    assert_same_bits(fast, slow, x, f"E2M1 stochastic, {layout}")
