@@ -92,6 +92,7 @@ from fp4lab.kernels.flash import (
     _quantize_p,
     _round,
     _scale_bounds,
+    _store_tile_stats,
     _stream_words,
     check_p,
     sr_key_table,
@@ -308,11 +309,6 @@ def _trace_tile(
     recounted here as `fp4lab.recipes.tile_stats.block_counts` counts them."""
     sum2 = lambda t: tl.sum(tl.sum(t, 1), 0)  # noqa: E731
     flushed = (x_used == 0.0) & (x != 0.0)
-    tl.store(stats_ptr + 0, sum2((x != 0.0).to(tl.float32)))
-    tl.store(stats_ptr + 1, sum2((x_used != 0.0).to(tl.float32)))
-    diff = x_used - x
-    tl.store(stats_ptr + 2, sum2(diff * diff))
-    tl.store(stats_ptr + 3, sum2(x * x))
     mag = x_q
     if SIGNED:
         mag = tl.abs(x_q)
@@ -338,11 +334,7 @@ def _trace_tile(
             mag, z_q, ROWS, COLS, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
             QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
         )  # fmt: skip
-    tl.store(stats_ptr + 4, clipped)
-    tl.store(stats_ptr + 5, blocks)
-    tl.store(stats_ptr + 6, under)
-    tl.store(stats_ptr + 7, over)
-    tl.store(stats_ptr + 8, sum2((x_used != x_used).to(tl.float32)))
+    _store_tile_stats(stats_ptr, x, x_used, clipped, blocks, under, over)
     tl.store(stats_ptr + 9, sum2(tl.where(flushed, x, 0.0)))
 
 

@@ -312,3 +312,10 @@ def test_a_trace_of_a_stochastic_recipe_is_refused():
     with pytest.raises(NotImplementedError, match="trace: recipe 'croissattn' rounds"):
         fp4lab.attention(q, k, v, "croissattn", backend="triton", trace=Trace(), generator=0,
                          causal=True)  # fmt: skip
+
+
+def test_both_passes_lay_out_their_shared_statistics_alike():
+    # _store_tile_stats writes the first nine of either layout
+    from fp4lab.kernels.flash_bwd import BACKWARD_STATS
+
+    assert flash.FORWARD_STATS[:9] == BACKWARD_STATS[:9]
