@@ -495,8 +495,13 @@ def _gap_line(metrics: pd.DataFrame) -> str:
     words = ", ".join(f"{t} {gap.loc[t, 'effect']:.3g}" for t in TENSORS)
     errs = ", ".join(f"{t} {gap.loc[t, 'control_error']:.3g} -> {gap.loc[t, 'variant_error']:.3g}"
                      for t in GRADIENTS)
+    zero = [t for t in TENSORS if math.isnan(gap.loc[t, "effect"])]
+    undefined = (f" Undefined for {', '.join(zero)}: the FP8 route's {', '.join(zero)} is "
+                 "zero (every element flushed, its error against exact attention 1), so no "
+                 "distance relative to it exists and no mechanism is ranked on it; such inputs "
+                 "show the FP8 backward's range, not the MXFP4 difference." if zero else "")
     return (f"The gap: the MXFP4 route's outputs and gradients differ from the FP8 route's by "
-            f"{words} (relative L2); against exact attention the errors go {errs}.")
+            f"{words} (relative L2); against exact attention the errors go {errs}.{undefined}")
 
 
 def _ranking_lines(config, table: pd.DataFrame, gap: pd.Series) -> list[str]:

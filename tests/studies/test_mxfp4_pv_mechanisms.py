@@ -109,3 +109,15 @@ def test_bad_set_values_fail_before_anything_runs(tmp_path, entry, words):
     with pytest.raises(ValueError, match=words):
         run_study("mxfp4-pv-mechanisms", "smoke", [entry], out=tmp_path / "x", quiet=True)
     assert not (tmp_path / "x").exists()
+
+
+def test_the_gap_says_why_it_is_undefined_where_the_fp8_route_flushed_everything():
+    # an FP8 route whose dQ and dK are zero (every element flushed): the effects are NaN
+    effect = {"o": 0.1, "dq": math.nan, "dk": math.nan, "dv": 0.3}
+    rows = [{"mechanism": STUDY.GAP, "tensor": t, "effect": e,
+             "control_error": 1.0 if math.isnan(e) else 0.1,
+             "variant_error": 1.0 if math.isnan(e) else 0.2} for t, e in effect.items()]
+    line = STUDY._gap_line(pd.DataFrame(rows))
+    assert "Undefined for dq, dk: the FP8 route's dq, dk is zero" in line
+    rows = [{**r, "effect": 0.2} for r in rows]
+    assert "Undefined" not in STUDY._gap_line(pd.DataFrame(rows))
