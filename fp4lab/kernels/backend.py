@@ -164,6 +164,12 @@ def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, 
     where = dict(axis=recipe.block_axis(field), batch_dims=2 if per_head else 0)
     if _one_pass(spec):  # codes times block scales in one fused pass
         return fake_quantize(view, spec, **where).reshape(x.shape).to(_store_dtype(x)), ones
+    if _factored_pass(spec):  # codes times block scales, the tensor scale as the factor
+        from fp4lab.kernels.quantize import fake_quantize_factored
+
+        values, decode = fake_quantize_factored(view, spec, **where)
+        store = values.reshape(x.shape).to(_store_dtype(x)).contiguous()
+        return store, ones * _per_head(decode, b, h, groups)
     noise = _noise(x, recipe, field, key)
     if noise is not None:
         noise = noise.reshape(view.shape)
@@ -191,6 +197,21 @@ def _one_pass(spec: QuantSpec) -> bool:
     if spec.tensor_scale or spec.scale_rule.alpha_grid or spec.scale == FP32 or spec.hadamard:
         return False
     return not spec.stochastic and spec.block is not None
+
+
+def _factored_pass(spec: QuantSpec) -> bool:
+    """Whether `_operand` takes a tensor-scaled `spec` from the fused
+    `fake_quantize_factored` (one pass after the tensor amax): the elements times their block
+    scales in bf16 hold every product exactly (E2M1 times E4M3: at most 6 significant bits),
+    so they are the slow path's bits, and the tensor scale becomes the factor."""
+    if not spec.tensor_scale or spec.scale_rule.alpha_grid or spec.scale == FP32:
+        return False
+    if spec.hadamard or spec.stochastic or spec.block is None:
+        return False
+    el, sc = spec.element, spec.scale
+    digits = (el.mbits + 1) + (sc.mbits + 1)  # significant bits of a product, at most
+    smallest = (el.emin - el.mbits) + (sc.emin - sc.mbits)  # log2 of the smallest product
+    return digits <= 8 and smallest >= -126 and el.max * sc.max < 3.0e38
 
 
 def _fp8_pv(recipe: AttentionRecipe, block_n: int | None = None) -> bool:

@@ -91,7 +91,7 @@ from fp4lab.kernels.random import philox4x32, uniform53
 
 __all__ = [
     "LaunchConfig", "FAKE_QUANTIZE_CONFIG", "CODES_CONFIG", "PackedQuantized", "fake_quantize",
-    "quantize", "quantize_packed", "philox_noise",
+    "fake_quantize_factored", "quantize", "quantize_packed", "philox_noise",
 ]
 
 # -- compile-time codes of the enums (the kernels branch on them) -------------------------------
@@ -654,10 +654,11 @@ def _quantize_kernel(
     # -- rounding, dtypes and what to write --
     ROUNDING: tl.constexpr, SR_BITS: tl.constexpr, NOISE: tl.constexpr, IN_KIND: tl.constexpr,
     OUT_KIND: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_PACKED: tl.constexpr,
-    WRITE_SCALES: tl.constexpr,
+    WRITE_SCALES: tl.constexpr, FACTORED: tl.constexpr,
 ):
     """One tile of blocks: amax, block scale, scaled and rounded elements; writes the
-    fake-quantized values (value * s * d), codes, packed codes and scales as asked."""
+    fake-quantized values (value * s * d, or value * s and the decode d apart with FACTORED),
+    codes, packed codes and scales as asked."""
     g, tr, tc, r, c = _tile(TILE_BR, ROW_STEP, BRP, TILE_BC, COL_STEP, BCP)
     if MASKED:
         inside = _tile_mask(r, c, R, C, BRP, ROW_VALID, BCP, COL_VALID)
@@ -702,7 +703,7 @@ def _quantize_kernel(
     # -- outputs --
     if OUT_KIND != NO_OUTPUT:
         out = v * s
-        if TENSOR_SCALE:
+        if TENSOR_SCALE and not FACTORED:
             out = out * d
         _store_float32(out_ptr + flat, out, inside, OUT_KIND)
     if WRITE_CODES or WRITE_PACKED:
@@ -725,9 +726,9 @@ def _quantize_kernel(
             bc = tc * TILE_BC + tl.arange(0, TILE_BC)[None, None, :, None]
             valid = (br * ROW_STEP < R) & (bc * COL_STEP < C)
             tl.store(scales_ptr + (g64 * ss_g + (br * ss_r + bc * ss_c)), s, mask=valid)
-        if TENSOR_SCALE:
-            first = (g % planes_per_batch == 0) & (tr == 0) & (tc == 0)
-            tl.store(decode_ptr + batch, d, mask=first)
+    if TENSOR_SCALE and (WRITE_SCALES or FACTORED):
+        first = (g % planes_per_batch == 0) & (tr == 0) & (tc == 0)
+        tl.store(decode_ptr + batch, d, mask=first)
 
 
 @triton.jit
@@ -1245,7 +1246,7 @@ class _Outputs:
 
 
 def _allocate(x: torch.Tensor, planes: _Planes, req: _Request, out_dtype, *, fake: bool,
-              codes: bool, packed: bool, scales: bool) -> _Outputs:
+              codes: bool, packed: bool, scales: bool, factored: bool = False) -> _Outputs:
     spec, device = req.spec, x.device
     bits = spec.element.bits
     n_packed = -(-x.numel() * bits // 8)
@@ -1257,7 +1258,8 @@ def _allocate(x: torch.Tensor, planes: _Planes, req: _Request, out_dtype, *, fak
         scales=torch.empty(planes.scales_shape, dtype=torch.float32, device=device)
         if scales else None,
         decode=torch.empty(planes.batches, dtype=torch.float32, device=device)
-        if scales and (spec.tensor_scale or spec.correction is Correction.EDEN) else None,
+        if (scales or factored) and (spec.tensor_scale or spec.correction is Correction.EDEN)
+        else None,
     )
 
 
@@ -1323,7 +1325,7 @@ _PLANS: dict = {}
 
 def _blocks_plan(x: torch.Tensor, req: _Request, out_dtype, wants: tuple) -> _BlocksPlan:
     """The cached plan for this call (see `_BlocksPlan`); wants: (fake, codes, packed,
-    scales), the outputs asked for."""
+    scales, factored), the outputs asked for."""
     noise = req.noise
     key = (id(req.spec), id(req.config), req.rounding, req.axis, req.batch_dims, x.dtype,
            tuple(x.shape), x.stride(), None if noise is None else noise.stride(),
@@ -1337,7 +1339,7 @@ def _blocks_plan(x: torch.Tensor, req: _Request, out_dtype, wants: tuple) -> _Bl
 
 
 def _make_blocks_plan(x: torch.Tensor, req: _Request, out_dtype, fake: bool, codes: bool,
-                      packed: bool, scales: bool) -> _BlocksPlan:
+                      packed: bool, scales: bool, factored: bool = False) -> _BlocksPlan:
     spec = req.spec
     planes = _planes(tuple(x.shape), spec, req.axis, req.batch_dims)
     tiling = _tiling(planes, req.config)
@@ -1366,7 +1368,7 @@ def _make_blocks_plan(x: torch.Tensor, req: _Request, out_dtype, fake: bool, cod
     constants = dict(**tiling.constants, **_spec_constants(spec, req.rounding),
                      NOISE=req.noise_kind, IN_KIND=kind, OUT_KIND=out_kind,
                      WRITE_CODES=codes or (packed and not fused), WRITE_PACKED=fused,
-                     WRITE_SCALES=scales)
+                     WRITE_SCALES=scales, FACTORED=factored)
     ss = _flat_strides(planes.scales_shape, planes.scale_groups) if scales else (0, 0, 0)
     strides = (*sx, *sn, *flat, *ss, nbr * nbc, nbc, 1)
     return _BlocksPlan(
@@ -1460,7 +1462,8 @@ def _run_eden(x: torch.Tensor, planes: _Planes, req: _Request, outputs: _Outputs
 
 
 def _compute(x: torch.Tensor, req: _Request, *, fake: bool = False, codes: bool = False,
-             packed: bool = False, scales: bool = False) -> tuple[_Outputs, _Planes]:
+             packed: bool = False, scales: bool = False,
+             factored: bool = False) -> tuple[_Outputs, _Planes]:
     """The kernels' outputs for x: the Hadamard transform first where the spec has one (the
     reference's torch matmul), then the passes; the fake-quantized values are finished (inverse
     transform, x's dtype) and the scales put in the reference's layout."""
@@ -1478,10 +1481,10 @@ def _compute(x: torch.Tensor, req: _Request, *, fake: bool = False, codes: bool 
     if eden:
         planes = _planes(tuple(x.shape), spec, req.axis, req.batch_dims)
     else:
-        plan = _blocks_plan(xw, req, out_dtype, (fake, codes, packed, scales))
+        plan = _blocks_plan(xw, req, out_dtype, (fake, codes, packed, scales, factored))
         planes = plan.planes
     outputs = _allocate(x, planes, req, out_dtype, fake=fake, codes=codes, packed=packed,
-                        scales=scales)
+                        scales=scales, factored=factored)
     elsewhere = x.is_cuda and x.device.index != torch.cuda.current_device()
     with torch.cuda.device(x.device) if elsewhere else contextlib.nullcontext():
         if eden:
@@ -1577,6 +1580,30 @@ def fake_quantize(
     if x.requires_grad and torch.is_grad_enabled():
         return _FakeQuantize.apply(x, req)
     return _compute(x, req, fake=True)[0].out
+
+
+def fake_quantize_factored(
+    x: torch.Tensor, spec: QuantSpec | str, *, axis: int = -1, batch_dims: int = 0,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, decode) in one fused pass after the tensor amax: values the elements times
+    their block scales in x's dtype, without the tensor scale, and decode that tensor scale
+    (shaped as `QuantizedTensor.tensor_scale`), so values * decode is `fake_quantize`'s
+    result up to its final rounding. For a block format with a tensor scale, rounding to
+    nearest, no Hadamard transform, MS-EDEN or alpha grid: what the attention kernels read
+    (E2M1 times an E4M3 scale is exact in bf16; the tensor scale is not, and stays a factor).
+    Not differentiable."""
+    req = _request(x, spec, axis, None, batch_dims, None, None, 0, None,
+                   FAKE_QUANTIZE_CONFIG if config is None else config)
+    spec = req.spec
+    if not spec.tensor_scale or spec.hadamard is not None or spec.stochastic or (
+        spec.correction is Correction.EDEN or spec.scale_rule.alpha_grid
+    ):
+        raise ValueError(f"spec {spec.name}: fake_quantize_factored takes a block format with "
+                         "a tensor scale, rounding to nearest, no Hadamard transform, MS-EDEN "
+                         "or alpha grid")
+    outputs, _ = _compute(x, req, fake=True, factored=True)
+    return outputs.out, outputs.decode
 
 
 def quantize(

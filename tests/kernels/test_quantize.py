@@ -263,6 +263,27 @@ def test_cpu_tensor_without_the_interpreter_is_refused(monkeypatch):
 
 
 @pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("name", ["nvfp4", "torchao_nvfp4"])
+@pytest.mark.parametrize("batch_dims", [0, 2])
+def test_factored_values_are_the_codes_times_block_scales(interpreter, name, batch_dims):
+    # what the attention kernels read: codes x block scales in bf16 (exact there), the tensor
+    # scale apart; their product is fake_quantize's up to its final rounding
+    spec = F.get(name)
+    x = spread((2, 3, 8, 64), seed=11).to(torch.bfloat16)
+    values, decode = K.fake_quantize_factored(x, spec, batch_dims=batch_dims)
+    want = F.quantize(x, spec, batch_dims=batch_dims)
+    assert values.dtype == torch.bfloat16
+    assert torch.equal(values, (want.element_values() * want.expanded_scales()).bfloat16())
+    assert torch.equal(decode, want.tensor_scale)
+    assert not torch.equal(values, F.fake_quantize(x, spec, batch_dims=batch_dims))  # not d
+
+
+def test_factored_refuses_what_has_no_tensor_scale_to_keep_apart(interpreter):
+    x = spread((4, 64)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="mxfp4: fake_quantize_factored takes"):
+        K.fake_quantize_factored(x, F.get("mxfp4"))
+
+
 def test_bad_arguments_are_refused():
     x = torch.ones(4, 32)
     with pytest.raises(TypeError, match="float64"):
