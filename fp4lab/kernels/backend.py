@@ -164,6 +164,10 @@ def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, 
     where = dict(axis=recipe.block_axis(field), batch_dims=2 if per_head else 0)
     if _one_pass(spec):  # codes times block scales in one fused pass
         return fake_quantize(view, spec, **where).reshape(x.shape).to(_store_dtype(x)), ones
+    if _fixed_pass(spec):  # a fixed power-of-two scale: the codes are the values over it
+        values = fake_quantize(view, spec, **where).reshape(x.shape)
+        store = (values * (1.0 / spec.fixed_scale)).to(_store_dtype(x)).contiguous()
+        return store, ones * spec.fixed_scale
     if _factored_pass(spec):  # codes times block scales, the tensor scale as the factor
         from fp4lab.kernels.quantize import fake_quantize_factored
 
@@ -197,6 +201,21 @@ def _one_pass(spec: QuantSpec) -> bool:
     if spec.tensor_scale or spec.scale_rule.alpha_grid or spec.scale == FP32 or spec.hadamard:
         return False
     return not spec.stochastic and spec.block is not None
+
+
+def _fixed_pass(spec: QuantSpec) -> bool:
+    """Whether `_operand` takes a format with one fixed power-of-two scale (FP8 x4, the
+    fp4-fa4 backward's) from the fused `fake_quantize`: its values over the scale are the
+    codes exactly, in x's 16-bit dtype too (at most 7 mantissa bits, no value below bf16's
+    normal range), the slow path's bits in two passes instead of five."""
+    s = spec.fixed_scale
+    if s is None or spec.block is not None or spec.tensor_scale or spec.hadamard:
+        return False
+    if spec.stochastic or s <= 0 or math.frexp(s)[0] != 0.5:
+        return False
+    el = spec.element
+    smallest = el.emin - el.mbits + math.log2(s)
+    return el.mbits <= 7 and smallest >= -126 and el.max * max(s, 1.0) < 3.0e38
 
 
 def _factored_pass(spec: QuantSpec) -> bool:

@@ -346,3 +346,20 @@ def test_full_size_gradients_on_the_gpu(recipe, causal):
     for name in GRADS:
         budget = max(budget_for(recipe), 1e-2 * rel(want[name], exact[name]))
         assert_close({name: got[name]}, {name: want[name]}, budget, recipe, names=(name,))
+
+
+@pytest.mark.parametrize("field", ["dv_do", "dp_v"])
+def test_fixed_scale_operands_are_the_reference_codes_and_scale(field):
+    # fa4fp4_causal's FP8 x4 operands take the fused one-pass route: its stored values must be
+    # the reference quantizer's codes bit for bit and its factor the fixed scale
+    recipe = resolve_recipe("fa4fp4_causal")
+    spec = getattr(recipe, field)
+    assert backend._fixed_pass(spec)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(2, 2, 64, 32, generator=g) * torch.exp2(torch.randint(-20, 12, (2, 2, 64, 1),
+                                                                        generator=g).float())
+    x = x.bfloat16().to(DEVICE)
+    store, factor = backend._operand(x, recipe, field, 1)
+    want = fp4lab.formats.quantize(x.cpu().float(), spec)
+    assert torch.equal(store.cpu().float(), want.element_values().float())
+    assert torch.equal(factor.cpu(), torch.full((2, 2), spec.fixed_scale))
