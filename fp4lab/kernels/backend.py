@@ -88,12 +88,7 @@ def check_recipe(recipe: AttentionRecipe) -> None:
             missing.append(name)
     if recipe.block_axis("p") != -1:
         missing.append("p blocked along the queries (block_axes; the kernel blocks P along keys)")
-    for field in ("q", "k", "v"):
-        spec = getattr(recipe, field)
-        if isinstance(spec, QuantSpec) and (
-            spec.hadamard or spec.block is not None and len(spec.block) == 2
-        ):
-            missing.append(f"{field} in {spec.name} (Hadamard or 2-D blocks)")
+    missing += _untransformed_gaps(recipe, ("q", "k", "v"))
     if missing:
         raise NotImplementedError(
             f"recipe {recipe.name!r}: the Triton kernels do not run {', '.join(missing)} yet; "
@@ -103,6 +98,19 @@ def check_recipe(recipe: AttentionRecipe) -> None:
         check_direct_p(recipe.p)
     else:
         check_p(recipe.p, recipe.p_lift)
+
+
+def _untransformed_gaps(recipe: AttentionRecipe, fields) -> list[str]:
+    """The whole-tensor operands among `fields` in a block format the kernels' quantizer path
+    does not take (a Hadamard transform or 2-D blocks), each named."""
+    missing = []
+    for field in fields:
+        spec = getattr(recipe, field)
+        if isinstance(spec, QuantSpec) and (
+            spec.hadamard or spec.block is not None and len(spec.block) == 2
+        ):
+            missing.append(f"{field} in {spec.name} (Hadamard or 2-D blocks)")
+    return missing
 
 
 def _check_call(q, k, v, trace, attn_mask) -> None:
@@ -335,13 +343,7 @@ def check_backward(
     """Raise NotImplementedError for a backward mechanism the Triton backward does not run,
     naming it, before anything runs (no silent fallback); ValueError for blocks of P or dS
     that do not tile `block_m` x `block_n` (when given)."""
-    missing = []
-    for field in _WHOLE_OPERANDS:
-        spec = getattr(recipe, field)
-        if isinstance(spec, QuantSpec) and (
-            spec.hadamard or spec.block is not None and len(spec.block) == 2
-        ):
-            missing.append(f"{field} in {spec.name} (Hadamard or 2-D blocks)")
+    missing = _untransformed_gaps(recipe, _WHOLE_OPERANDS)
     if missing:
         raise NotImplementedError(
             f"recipe {recipe.name!r}: the Triton backward does not run {', '.join(missing)} "
