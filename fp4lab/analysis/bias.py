@@ -345,7 +345,7 @@ class _Accumulator:
         }
 
     def tile_stats(self) -> pd.DataFrame:
-        x = torch.stack(self.x_tiles)  # (N, B, H, nT)
+        x = torch.stack(self.x_tiles).cpu()  # (N, B, H, nT); scipy's t test runs on the host
         stats_ = _t_test(x)
         b, h, nt = x.shape[1:]
         grid = torch.meshgrid(torch.arange(b), torch.arange(h), torch.arange(nt), indexing="ij")

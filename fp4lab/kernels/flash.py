@@ -586,21 +586,26 @@ def _p_counts(
 
 
 @triton.jit
+def _sum2(x):
+    """The sum of a 2-D block (a jitted helper: compiled Triton has no lambdas)."""
+    return tl.sum(tl.sum(x, 1), 0)
+
+
+@triton.jit
 def _store_tile_stats(stats_ptr, x, x_used, clipped, blocks, under, over):
     """The statistics the forward's `FORWARD_STATS` and the backward's `BACKWARD_STATS` share,
     their first nine: x's nonzeros, x^'s nonzeros, sum (x^ - x)^2, sum x^2, the clipped
     elements, the blocks with a nonzero, those whose scale under- or overflowed, x^'s NaNs."""
-    sum2 = lambda t: tl.sum(tl.sum(t, 1), 0)  # noqa: E731
-    tl.store(stats_ptr + 0, sum2((x != 0.0).to(tl.float32)))
-    tl.store(stats_ptr + 1, sum2((x_used != 0.0).to(tl.float32)))
+    tl.store(stats_ptr + 0, _sum2((x != 0.0).to(tl.float32)))
+    tl.store(stats_ptr + 1, _sum2((x_used != 0.0).to(tl.float32)))
     diff = x_used - x
-    tl.store(stats_ptr + 2, sum2(diff * diff))
-    tl.store(stats_ptr + 3, sum2(x * x))
+    tl.store(stats_ptr + 2, _sum2(diff * diff))
+    tl.store(stats_ptr + 3, _sum2(x * x))
     tl.store(stats_ptr + 4, clipped)
     tl.store(stats_ptr + 5, blocks)
     tl.store(stats_ptr + 6, under)
     tl.store(stats_ptr + 7, over)
-    tl.store(stats_ptr + 8, sum2((x_used != x_used).to(tl.float32)))
+    tl.store(stats_ptr + 8, _sum2((x_used != x_used).to(tl.float32)))
 
 
 @triton.jit
@@ -617,15 +622,14 @@ def _trace_p_tile(
     m_use) to lost_ptrs: P the tile's unquantized probabilities, p_used the P^ its P V
     consumed (dequantized, the leakage fix's diagonal blocks unquantized), z = log2 P, qk the
     masked scores, pv the tile's P^ V^."""
-    sum2 = lambda x: tl.sum(tl.sum(x, 1), 0)  # noqa: E731
     flushed = (p_used == 0.0) & (p != 0.0)
     clipped, blocks, under, over = _p_counts(
         p, z, BLOCK_M, BLOCK_N, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
         QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
     )  # fmt: skip
     _store_tile_stats(stats_ptr, p, p_used, clipped, blocks, under, over)
-    tl.store(stats_ptr + 9, sum2((pv != pv).to(tl.float32)))
-    tl.store(stats_ptr + 10, sum2((qk != qk).to(tl.float32)))
+    tl.store(stats_ptr + 9, _sum2((pv != pv).to(tl.float32)))
+    tl.store(stats_ptr + 10, _sum2((qk != qk).to(tl.float32)))
     lost = tl.sum(tl.where(flushed, p, 0.0), 1)
     tl.store(lost_ptrs, tl.log2(lost) + m_use, mask=rows)
 

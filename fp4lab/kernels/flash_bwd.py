@@ -94,6 +94,7 @@ from fp4lab.kernels.flash import (
     _scale_bounds,
     _store_tile_stats,
     _stream_words,
+    _sum2,
     check_p,
     sr_key_table,
 )
@@ -307,22 +308,21 @@ def _trace_tile(
     dequantized x^ its product consumed, x_q (and z_q = log2 x_q, for Direct-P) what its
     quantizer (`_quantize_tile`) was given, whose clipped elements and block scales are
     recounted here as `fp4lab.recipes.tile_stats.block_counts` counts them."""
-    sum2 = lambda t: tl.sum(tl.sum(t, 1), 0)  # noqa: E731
     flushed = (x_used == 0.0) & (x != 0.0)
     mag = x_q
     if SIGNED:
         mag = tl.abs(x_q)
-    zero = sum2(tl.zeros_like(mag))
+    zero = _sum2(tl.zeros_like(mag))
     if MODE == 4:  # one FP32 scale t = amax / M_e per tile: its ideal scale stays in range
         a = mag * LIFT
         amax = tl.zeros_like(a) + tl.max(tl.max(a, 1), 0)
         t = tl.div_rn(amax, tl.zeros_like(a) + E_MAX)
         scaled = tl.where(t == 0.0, 0.0, tl.div_rn(a, tl.where(t == 0.0, 1.0, t)))
-        clipped = sum2((scaled > E_MAX).to(tl.float32))
+        clipped = _sum2((scaled > E_MAX).to(tl.float32))
         blocks = (tl.max(tl.max(a, 1), 0) > 0.0).to(tl.float32)
         under, over = zero, zero
     elif MODE == 5:  # a bf16 cast, saturating
-        clipped = sum2((mag * LIFT > E_MAX).to(tl.float32))
+        clipped = _sum2((mag * LIFT > E_MAX).to(tl.float32))
         blocks, under, over = zero, zero, zero
     elif TRANS:
         clipped, blocks, under, over = _p_counts(
@@ -335,7 +335,7 @@ def _trace_tile(
             QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
         )  # fmt: skip
     _store_tile_stats(stats_ptr, x, x_used, clipped, blocks, under, over)
-    tl.store(stats_ptr + 9, sum2(tl.where(flushed, x, 0.0)))
+    tl.store(stats_ptr + 9, _sum2(tl.where(flushed, x, 0.0)))
 
 
 # -- the preprocess: D = rowsum(dO * O) -------------------------------------------------------

@@ -65,8 +65,8 @@ def tile_words(k0, k1, batch, head, rows, col0, ROWS: tl.constexpr, COLS: tl.con
     zeros = tl.zeros([ROWS, COLS // 4], dtype=tl.uint32)
     c0 = zeros + (col0 // 4 + tl.arange(0, COLS // 4)).to(tl.uint32)[None, :]
     c1 = zeros + rows.to(tl.uint32)[:, None]
-    c2 = zeros + head.to(tl.uint32)
-    c3 = zeros + batch.to(tl.uint32)
+    c2 = zeros + tl.cast(head, tl.uint32)  # an int argument of 1 is a constexpr
+    c3 = zeros + tl.cast(batch, tl.uint32)
     w0, w1, w2, w3 = philox4x32(c0, c1, c2, c3, k0, k1, 10)
     # join's new axis is the last: (ROWS, COLS / 4, 2, 2) holds word 2 i + j at [..., i, j]
     return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (ROWS, COLS))
