@@ -754,26 +754,26 @@ def _fwd_inner(
                 v = tl.load(v_ptrs, mask=inside[:, None], other=0.0)  # (BLOCK_N, V_DIM)
             else:
                 v = tl.load(v_ptrs)
-            if MODE == 0:  # unquantized P: its bf16 head and tail, 16 bits of it
-                head = p_hat.to(v.dtype)
-                tail = (p_hat - head.to(tl.float32)).to(v.dtype)
-                pv = tl.dot(tail, v, tl.dot(head, v))
+            if MODE == 0:  # unquantized P: its bf16 high and low parts, 16 bits of it
+                p_hi = p_hat.to(v.dtype)
+                p_lo = (p_hat - p_hi.to(tl.float32)).to(v.dtype)
+                pv = tl.dot(p_lo, v, tl.dot(p_hi, v))
             else:
                 pv = tl.dot(p_hat.to(v.dtype), v)
         pv = pv * factor
         if MASKED and LEAK > 0:  # P's diagonal blocks times unquantized V, 16 bits of P
             vp_ptrs = vp_base + offs_n[:, None] * stride_pn + offs_dv[None, :] * stride_pd
             vp = tl.load(vp_ptrs, mask=inside[:, None], other=0.0)
-            head = p_exact.to(vp.dtype)
-            tail = (p_exact - head.to(tl.float32)).to(vp.dtype)
-            pv = pv + tl.dot(tail, vp, tl.dot(head, vp)) * inv_vf
+            p_hi = p_exact.to(vp.dtype)
+            p_lo = (p_exact - p_hi.to(tl.float32)).to(vp.dtype)
+            pv = pv + tl.dot(p_lo, vp, tl.dot(p_hi, vp)) * inv_vf
         if PRIME:  # unquantized P (16 bits of it) times V^
-            head = p.to(v.dtype)
-            tail = (p - head.to(tl.float32)).to(v.dtype)
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
             if FIXED:
-                acc_p = acc_p + tl.dot(tail, v, tl.dot(head, v))
+                acc_p = acc_p + tl.dot(p_lo, v, tl.dot(p_hi, v))
             else:
-                acc_p = acc_p * alpha[:, None] + tl.dot(tail, v, tl.dot(head, v))
+                acc_p = acc_p * alpha[:, None] + tl.dot(p_lo, v, tl.dot(p_hi, v))
         if TRACE:  # the statistics of P^ as P V consumed it
             p_used = p_hat * factor
             if MASKED and LEAK > 0:
