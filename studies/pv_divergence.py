@@ -44,7 +44,8 @@ the CPU, NCCL on GPUs; `data_parallel`), the global batch split over them; with
 ``--set data_parallel=false`` the cells spread over the ranks instead (several small runs
 sharing one GPU). ``--preset smoke`` runs on a 2-core CPU in about 30 seconds; ``full`` is
 sized for one H200 (bf16, FP8 and MXFP4 P/V and nine variants, two seeds, each cell a
-resumable piece; its times are still to be measured, _pv_divergence/GPU_PLAN.md says how);
+resumable piece; measured: 12.7 minutes in one process, in two calls of 4.0 and 8.7 minutes,
+2026-12-01, results/pv-divergence-full; _pv_divergence/GPU_PLAN.md has the commands);
 ``long`` scales the same runs up.
 
 Saved activations. With ``--set activations_rows=N`` (the smoke preset: 2) each run ends
@@ -96,7 +97,7 @@ def _parts():
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return {part: importlib.import_module(f"{name}.{part}")
-            for part in ("arms", "corpora", "gpt", "training", "report")}
+            for part in ("arms", "corpora", "gpt", "probes", "training", "report")}
 
 
 PARTS = _parts()

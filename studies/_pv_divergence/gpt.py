@@ -74,11 +74,13 @@ class AttentionCall:
 
 @dataclass
 class Capture:
-    """Each layer's attention inputs and output gradient from one forward and backward."""
+    """Each layer's attention inputs, output and output gradient from one forward (and
+    backward)."""
 
     q: list = field(default_factory=list)  # (B, H, T, D) per layer, detached
     k: list = field(default_factory=list)
     v: list = field(default_factory=list)
+    o: list = field(default_factory=list)  # (B, H, T, D) per layer: attention's output
     do: dict = field(default_factory=dict)  # layer -> (B, H, T, D), set by the backward
 
 
@@ -118,6 +120,7 @@ class SelfAttention(nn.Module):
             capture.q.append(q.detach())
             capture.k.append(k.detach())
             capture.v.append(v.detach())
+            capture.o.append(y.detach())
             if y.requires_grad:
                 y.register_hook(lambda g: capture.do.__setitem__(self.layer, g.detach()))
         return self.c_proj(y.transpose(1, 2).reshape(b, t, c))

@@ -11,6 +11,12 @@
 - (at a run's end, when asked) one forward and backward with the training recipe whose
   per-layer q, k, v and dO the run saves as inputs of the analytic studies
   (`captured_step`);
+- (at a run's first non-finite loss) an autopsy of that step (`autopsy`): the same batch's
+  forward on the same weights, recording per layer whether its q, k, v and attention output
+  are finite, the largest logit and log2 P's peak against the recipe's row reference (of
+  all rows and of the rows whose output is not finite), and whether the reference path, and
+  exact attention, give a finite output on the same q, k, v: where the non-finite value
+  first appears, and whether the recipe's arithmetic or the kernel produces it;
 - future leakage: the probe sequences with the token at position j replaced, for a few j
   inside blocks of 16 and 32 (a block scale moves only where the changed token holds a
   block's maximum, so one j can miss it): the largest change of the logits at positions
@@ -28,11 +34,12 @@ import torch
 import torch.nn.functional as F
 
 import fp4lab
-from fp4lab.recipes import RowReference
+from fp4lab.recipes import EXACT, RowReference
 
-from .gpt import GPT, AttentionCall, Capture
+from .gpt import GPT, AttentionCall, Capture, attend
 
-__all__ = ["validation_loss", "captured_step", "traced_step", "leakage", "TRACE_COLUMNS"]
+__all__ = ["validation_loss", "captured_step", "traced_step", "autopsy", "leakage",
+           "TRACE_COLUMNS"]
 
 # (product, trace column) -> the probe's name for it
 TRACE_COLUMNS = {
@@ -117,15 +124,22 @@ def _scores(q: torch.Tensor, k: torch.Tensor, recipe) -> dict:
 
 
 def _p_log2_peak(s: torch.Tensor, recipe, head_dim: int) -> float:
+    peaks = _row_log2_peaks(s, recipe, head_dim)
+    return float("nan") if peaks is None else float(peaks.amax())
+
+
+def _row_log2_peaks(s: torch.Tensor, recipe, head_dim: int) -> torch.Tensor | None:
+    """Each row's peak of log2 P = (s - m) log2 e against the recipe's fixed row reference m
+    (scores s (..., T, T), causal-masked), or None where the reference is a lazy maximum."""
     reference = None if recipe is None else recipe.row_reference
     if reference is RowReference.ANCHOR:  # the first keys' maximum plus the margin
         m = s[..., : recipe.anchor_keys].amax(-1) + recipe.anchor_margin / math.sqrt(head_dim)
-        return float(((s - m.unsqueeze(-1)) * math.log2(math.e)).amax())
+        return ((s - m.unsqueeze(-1)) * math.log2(math.e)).amax(-1)
     if reference is RowReference.ZERO:
-        return float(s.amax() * math.log2(math.e))
+        return s.amax(-1) * math.log2(math.e)
     if reference is RowReference.RUNNING_MAX or recipe is None:
-        return 0.0
-    return float("nan")
+        return torch.zeros(s.shape[:-1], device=s.device)
+    return None
 
 
 def _trace_row(frame) -> dict:
@@ -134,6 +148,69 @@ def _trace_row(frame) -> dict:
         values = frame.loc[frame["product"] == product, column]
         row[name] = float(values.mean()) if values.notna().any() else float("nan")
     return row
+
+
+@torch.no_grad()
+def autopsy(model: GPT, x, y, call: AttentionCall, autocast) -> list[dict]:
+    """Where a non-finite loss of (x, y) on the model's weights comes from: one forward with
+    `call`, a row per layer (see the module). `origin` marks the first layer whose attention
+    output is not finite while its inputs are; `reproduced` whether this forward's loss is
+    non-finite again; `reference_nonfinite` is the same recipe on
+    the reference path (on the same q, k, v: the recipe's arithmetic, whatever the kernel),
+    `exact_nonfinite` exact attention's (counts of non-finite output elements);
+    `rows_p_overflow` counts the rows whose log2 P peak against the recipe's fixed row
+    reference reaches 128, where P overflows float32 (`nonfinite_rows_p_overflow`: of the
+    rows whose output is not finite; -1 where not computed: a lazy maximum, or non-finite
+    inputs)."""
+    model.capture = Capture()
+    with autocast():
+        loss = loss_of(model, x, y, call)
+    capture, model.capture = model.capture, None
+    exact = AttentionCall(EXACT, "reference", call.block)
+    rows, found = [], False
+    for layer in range(len(capture.q)):
+        q, k, v, o = (t[layer] for t in (capture.q, capture.k, capture.v, capture.o))
+        inputs_finite = all(bool(t.isfinite().all()) for t in (q, k, v))
+        bad = ~o.isfinite().all(-1)  # (B, H, T): rows with a non-finite output element
+        row = {"layer": layer, "reproduced": not math.isfinite(float(loss)),
+               "inputs_finite": inputs_finite,
+               "o_nonfinite": int((~o.isfinite()).sum()), "o_rows_nonfinite": int(bad.sum()),
+               **_scores(q.float(), k.float(), call.recipe)}
+        row |= (_peaks_of_rows(q.float(), k.float(), call.recipe, bad) if inputs_finite
+                else {"p_log2_peak_nonfinite_rows": float("nan"), "rows_p_overflow": -1,
+                      "nonfinite_rows_p_overflow": -1})
+        origin = inputs_finite and row["o_nonfinite"] > 0 and not found
+        found = found or origin
+        row["origin"] = origin
+        row["reference_nonfinite"] = _nonfinite_output(q, k, v, call, layer) if (
+            call.recipe is not None and call.backend != "reference") else row["o_nonfinite"]
+        row["exact_nonfinite"] = (_nonfinite_output(q, k, v, exact, layer) if inputs_finite
+                                  else row["o_nonfinite"])
+        rows.append(row)
+    return rows
+
+
+def _nonfinite_output(q, k, v, call: AttentionCall, layer: int) -> int:
+    reference = AttentionCall(call.recipe, "reference", call.block, call.seed)
+    return int((~attend(q, k, v, reference, layer).isfinite()).sum())
+
+
+def _peaks_of_rows(q, k, recipe, rows: torch.Tensor) -> dict:
+    """log2 P's peak (against the recipe's fixed row reference) over the (B, H, T) rows
+    marked (NaN where none is), and the rows whose peak reaches fp32's 2^128, overall and
+    among those marked (-1 where the reference is a lazy maximum)."""
+    t, d = q.shape[-2], q.shape[-1]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1),
+                      float("-inf"))
+    peaks = _row_log2_peaks(s, recipe, d)
+    if peaks is None:
+        return {"p_log2_peak_nonfinite_rows": float("nan"), "rows_p_overflow": -1,
+                "nonfinite_rows_p_overflow": -1}
+    over = peaks >= 128
+    return {"p_log2_peak_nonfinite_rows": float(peaks[rows].amax()) if bool(rows.any())
+            else float("nan"), "rows_p_overflow": int(over.sum()),
+            "nonfinite_rows_p_overflow": int((over & rows).sum())}
 
 
 def _gradient_error(q, k, v, do, call: AttentionCall, layer: int) -> dict:

@@ -3,7 +3,8 @@ attention around it, the causes and fixes with the evidence for and against each
 comparison with the published fp4-fa4 training records (``published.json``).
 
 Everything here reads the stored tables (``metrics`` per step, ``evals`` and ``layers`` per
-probe, ``runs`` per run), so ``fp4lab study report DIR`` redraws it without training.
+probe, ``autopsy`` per layer at a non-finite step, ``runs`` per run), so
+``fp4lab study report DIR`` redraws it without training.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ __all__ = ["report", "divergence_table", "published_records", "speed_verdict"]
 
 PUBLISHED = Path(__file__).resolve().with_name("published.json")
 CAUSE_COLUMNS = ["task", "cause", "kind", "arm", "baseline", "arm_diverged",
-                 "baseline_diverged", "seeds", "val_gap_delta", "val_gap_delta_se",
-                 "evidence_for", "evidence_against"]
+                 "baseline_diverged", "arm_nonfinite", "baseline_nonfinite", "seeds",
+                 "val_gap_delta", "val_gap_delta_se", "evidence_for", "evidence_against"]
 RUN_KEYS = ["task", "seed", "arm"]
 PROBE_COLUMNS = {  # layers-table column: heading
     "p_flushed": "P flushed", "p_mass_lost": "P mass lost", "p_clipped": "P clipped",
@@ -132,8 +133,33 @@ def _paired_gap(table: pd.DataFrame, arm: str, baseline: str) -> tuple[float, fl
     return float(d.mean()) if len(d) else float("nan"), se, len(d)
 
 
-def _verdict(cause, diverged: tuple[int, int], base: tuple[int, int], delta, se) -> tuple:
-    """(evidence for, evidence against) in words, from the counts and the paired gap."""
+def _verdict(cause, diverged: tuple[int, int], base: tuple[int, int], delta, se,
+             nonfinite: tuple[int, int] = (0, 0)) -> tuple:
+    """(evidence for, evidence against) in words, from the divergence counts, the paired
+    gap and the non-finite counts (arm, baseline): a divergence is either a non-finite loss
+    or a sustained drift, and a change that removes the one can leave the other."""
+    found, against = _drift_verdict(cause, diverged, base, delta, se)
+    clause = _nonfinite_clause(cause, nonfinite, diverged[1], base[1])
+    if clause is None:
+        return found, against
+    supports, text = clause
+    if supports:
+        return text if found in ("none", "untestable here") else f"{found}; {text}", against
+    return found, text if against == "none" else f"{against}; {text}"
+
+
+def _nonfinite_clause(cause, nonfinite: tuple[int, int], n: int, n_base: int):
+    """(whether it supports the cause or fix, the words) where the non-finite counts differ,
+    else None."""
+    arm, base = nonfinite
+    if arm == base:
+        return None
+    text = (f"non-finite loss in {arm}/{n} seeds, {cause.baseline} in {base}/{n_base}")
+    return (arm > base) == (cause.kind == "cause"), text
+
+
+def _drift_verdict(cause, diverged: tuple[int, int], base: tuple[int, int], delta,
+                   se) -> tuple:
     noise = "one seed: no noise estimate" if math.isnan(se) else f"+- {number(2 * se, 2)}"
     gap_text = f"final val. loss {number(delta, 3)} nats vs {cause.baseline} ({noise})"
     worse = not math.isnan(delta) and not math.isnan(se) and delta > 2 * se
@@ -162,13 +188,17 @@ def causes_table(table: pd.DataFrame) -> pd.DataFrame:
                 continue
             count = {a: (int(runs.loc[runs["arm"] == a, "diverged"].sum()),
                          int((runs["arm"] == a).sum())) for a in (cause.arm, cause.baseline)}
+            bad = {a: int(runs.loc[runs["arm"] == a, "nonfinite_step"].notna().sum())
+                   for a in (cause.arm, cause.baseline)}
             delta, se, seeds = _paired_gap(runs, cause.arm, cause.baseline)
             evidence_for, against = _verdict(cause, count[cause.arm], count[cause.baseline],
-                                             delta, se)
+                                             delta, se, (bad[cause.arm], bad[cause.baseline]))
             rows.append({"task": task, "cause": cause.name, "kind": cause.kind,
                          "arm": cause.arm, "baseline": cause.baseline,
                          "arm_diverged": count[cause.arm][0],
-                         "baseline_diverged": count[cause.baseline][0], "seeds": seeds,
+                         "baseline_diverged": count[cause.baseline][0],
+                         "arm_nonfinite": bad[cause.arm],
+                         "baseline_nonfinite": bad[cause.baseline], "seeds": seeds,
                          "val_gap_delta": delta, "val_gap_delta_se": se,
                          "evidence_for": evidence_for, "evidence_against": against})
     return pd.DataFrame(rows, columns=CAUSE_COLUMNS)
@@ -298,8 +328,9 @@ def _summary(config, table: pd.DataFrame, causes: pd.DataFrame) -> list[str]:
         diverged = rows[rows["diverged"]]
         lines.append(
             f"{task}, {arm}: diverged in {len(diverged)} of {len(rows)} seeds"
-            + (f" (first at step {int(diverged['divergence_step'].min())})" if len(diverged)
-               else f" in {number(rows['tokens'].max(), 3)} tokens")
+            + (f" (first at step {int(diverged['divergence_step'].min())}; "
+               f"{int(rows['nonfinite_step'].notna().sum())} by a non-finite loss)"
+               if len(diverged) else f" in {number(rows['tokens'].max(), 3)} tokens")
             + f"; final validation loss {number(rows['val_gap'].mean(), 3)} nats from "
               f"{REFERENCE_ARM} (mean over seeds), with exact attention on its weights "
               f"{number(rows['exact_minus_trained'].mean(), 3)} from its own recipe's.")
@@ -403,7 +434,10 @@ def report(config, metrics: pd.DataFrame, tables: dict):
     records = published_records()
     published, published_short = _published_section(config, table, records)
     speed = speed_verdict(runs)
+    autopsies = tables.get("autopsy")
     summary = (_summary(config, table, causes) + _inside_summary(last_probes(probes, evals))
+               + _autopsy_summary(autopsies if autopsies is not None and len(autopsies)
+                                  else None)
                + published_short + ([speed] if speed else []))
     text = _setup(config, runs) + _rule(config) + "## What the numbers show\n\n" + "".join(
         f"- {line}\n" for line in summary) + "\n"
@@ -414,6 +448,8 @@ def report(config, metrics: pd.DataFrame, tables: dict):
         "max_grad_norm": "max grad norm", "val_loss": "final val. loss",
         "val_gap": "val. gap", "exact_minus_trained": "exact attention - own"}) + "\n")
     text += _inside(table, probes, evals, metrics)
+    autopsy = tables.get("autopsy")
+    text += _autopsy(autopsy if autopsy is not None and len(autopsy) else None, table)
     text += ("## Causes and fixes\n\nEach candidate, the arm that tests it and its baseline "
              "(a cause is added to a stable route, a fix applied to the diverging one); the "
              "evidence is the divergence counts and the paired (same seed) final validation "
@@ -453,6 +489,73 @@ def _inside(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame,
     else:
         text += "No run diverged, so there are no statistics around a divergence step.\n\n"
     return text
+
+
+AUTOPSY_COLUMNS = {
+    "task": "task", "seed": "seed", "arm": "arm", "step": "step", "reproduced": "reproduced",
+    "origin_layer": "first layer", "inputs_finite": "inputs finite",
+    "o_rows_nonfinite": "rows non-finite", "nonfinite_rows_p_overflow": "of them P >= 2^128",
+    "rows_p_overflow": "rows P >= 2^128", "p_log2_peak_nonfinite_rows": "log2 P peak there",
+    "max_logit": "max logit", "reference_nonfinite": "reference non-finite",
+    "exact_nonfinite": "exact non-finite",
+}
+
+
+def autopsy_table(autopsy: pd.DataFrame) -> pd.DataFrame:
+    """A row per run with a non-finite step: the first layer whose attention output was not
+    finite while its inputs were (`origin_layer`, -1 for none: the value came from
+    elsewhere, or the forward did not repeat it) and that layer's autopsy row (the last
+    layer's where there is none)."""
+    rows = []
+    for _, run in autopsy.groupby(RUN_KEYS, sort=False):
+        origin = run[run["origin"].astype(bool)]
+        row = (origin if len(origin) else run.tail(1)).iloc[0].to_dict()
+        row["origin_layer"] = int(row["layer"]) if len(origin) else -1
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _autopsy_summary(autopsy: pd.DataFrame | None) -> list[str]:
+    if autopsy is None:
+        return []
+    runs = autopsy_table(autopsy)
+    inside = runs[runs["origin_layer"] >= 0]
+    line = (f"At the first non-finite step ({len(runs)} runs, the same batch's forward on the "
+            f"same weights): the non-finite value first appeared in attention's output, from "
+            f"finite inputs, in {len(inside)}")
+    if len(inside):
+        ref = int((inside["reference_nonfinite"] > 0).sum())
+        exact = int((inside["exact_nonfinite"] > 0).sum())
+        over = inside[inside["rows_p_overflow"] >= 0]
+        whole = int((over["nonfinite_rows_p_overflow"] == over["o_rows_nonfinite"]).sum())
+        some = int((over["nonfinite_rows_p_overflow"] > 0).sum())
+        line += (f"; there the reference path gave a non-finite output too in {ref} and exact "
+                 f"attention in {exact}; log2 P against the recipe's fixed row reference "
+                 f"reached 128 (P beyond float32) in some of the non-finite rows in {some} of "
+                 f"{len(over)} runs with a fixed reference, in all of them in {whole}")
+    return [line + "."]
+
+
+def _autopsy(autopsy: pd.DataFrame | None, table: pd.DataFrame) -> str:
+    head = "## At the first non-finite step\n\n"
+    if autopsy is None:
+        bad = int(table["nonfinite_step"].notna().sum())
+        if bad:
+            return head + (f"{bad} runs had a non-finite loss, but this folder has no autopsy "
+                           "table (written before the runs recorded one).\n\n")
+        return head + "No run had a non-finite loss.\n\n"
+    return head + (
+        "Each run's step whose training loss was not finite, examined on rank 0 with the same "
+        "global batch, the same weights (the optimizer skipped the step) and the same "
+        "stochastic-rounding draws: whether that forward repeated the non-finite loss; the "
+        "first layer whose attention output was not finite while its q, k, v were (-1: none); "
+        "that layer's rows (batch, head, query) with a non-finite output and how many of "
+        "them, and of all its rows, have log2 P >= 128 against the recipe's fixed row "
+        "reference (the anchor, or 0; -1 for a lazy maximum), computed from the unquantized "
+        "q, k (the recipe scores its quantized Q, K, so rows near 128 can fall either side); "
+        "the largest logit; and the non-finite output elements of the same recipe on the "
+        "reference path and of exact attention on the same q, k, v.\n\n"
+        + markdown_table(autopsy_table(autopsy), AUTOPSY_COLUMNS) + "\n")
 
 
 # -- figures ------------------------------------------------------------------------------------

@@ -18,7 +18,11 @@ scale over a whole tensor (``nvfp4pv``'s V, the E4M3 QKV projections) couples th
 of a batch, so its numbers depend on how the batch is split.
 
 The run stops early, marked diverged, at the first non-finite training loss (an optimizer
-step on NaN gradients would only carry NaN on). Its last step always checkpoints.
+step on NaN gradients would only carry NaN on). Its last step always checkpoints. Before
+that, rank 0 examines the step (`probes.autopsy`: the same global batch's forward on the same
+weights, a row per layer in the ``autopsy`` table): which layer's attention output first
+turns non-finite, the logits and log2 P's peak there, and whether the reference path and
+exact attention give a finite output on the same q, k, v.
 
 Saved activations. With `activations_rows` > 0, rank 0 ends the run with one forward and
 backward of the first `activations_rows` sequences of the first validation batch with the
@@ -224,7 +228,7 @@ class Run:
                 else None, process_group=ranks.group)
             self.trained.register_comm_hook(ranks.group, _sum_gradients)
         self.checkpoints = Checkpoints(scratch, spec, ranks)
-        self.rows = {"metrics": [], "evals": [], "layers": []}
+        self.rows = {"metrics": [], "evals": [], "layers": [], "autopsy": []}
         self.step, self.train_seconds, self.nonfinite_step = 0, 0.0, None
         self.val = [self.batch("val", i) for i in range(spec.val_batches)]
 
@@ -254,7 +258,7 @@ class Run:
             return False
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.rows = state["step"], state["rows"]
+        self.step, self.rows = state["step"], {"autopsy": [], **state["rows"]}
         self.train_seconds, self.nonfinite_step = state["train_seconds"], state["nonfinite"]
         _set_random_states(state["random"], self.device)
         return True
@@ -322,6 +326,17 @@ class Run:
         for row in probes.traced_step(model, x, y, call, self.autocast, spec.batch):
             self.rows["layers"].append({**head, **row})
 
+    def examine(self, step: int) -> None:
+        """(rank 0) The autopsy (`probes.autopsy`) of step `step`, whose loss was not finite:
+        its whole global batch on the weights that made it (the optimizer skipped the step)."""
+        if self.ranks.rank != 0:
+            return
+        model = self.probe_model
+        model.load_state_dict(self.model.state_dict())
+        x, y = self.batch("train", step)
+        for row in probes.autopsy(model, x, y, self.call(step), self.autocast):
+            self.rows["autopsy"].append({"step": step, **row})
+
     def save_activations(self, folder: Path, stem: str) -> list[dict]:
         """(rank 0) Each layer's q, k, v, dO from one forward and backward with the training
         recipe (module docstring), written to <folder>/<stem>-layer<l>.safetensors; a row per
@@ -375,7 +390,8 @@ def train(spec: RunSpec, device: str, backend: str, rank: int = 0, world: int = 
           scratch: Path | None = None,
           activations: tuple[Path, str] | None = None) -> dict[str, list[dict]]:
     """Run (or resume from `scratch`) the training `spec` describes; its tables of rows:
-    ``metrics`` per step, ``evals`` per probe, ``layers`` per probe and layer, ``runs`` one
+    ``metrics`` per step, ``evals`` per probe, ``layers`` per probe and layer, ``autopsy``
+    per layer at a non-finite step (`Run.examine`), ``runs`` one
     row of totals, and with `spec.activations_rows` > 0 ``activations``, one row per file
     written to `activations` (folder, file stem) (the other ranks return empty tables)."""
     if spec.activations_rows and activations is None:
@@ -392,6 +408,7 @@ def train(spec: RunSpec, device: str, backend: str, rank: int = 0, world: int = 
         run.step += 1
         if not math.isfinite(row["loss"]):
             run.nonfinite_step = row["step"]
+            run.examine(row["step"])
         elif run.step % spec.eval_every == 0 or run.step == spec.steps:
             run.probe()
         if (run.step % spec.checkpoint_every == 0 or run.nonfinite_step is not None
@@ -400,7 +417,7 @@ def train(spec: RunSpec, device: str, backend: str, rank: int = 0, world: int = 
         after_step(run.step)
     saved = {"activations": []} if spec.activations_rows else {}
     if rank != 0:
-        return {"metrics": [], "evals": [], "layers": [], "runs": [], **saved}
+        return {"metrics": [], "evals": [], "layers": [], "autopsy": [], "runs": [], **saved}
     if spec.activations_rows:
         saved["activations"] = run.save_activations(*activations)
     return {**run.rows, "runs": [run.finish()], **saved}

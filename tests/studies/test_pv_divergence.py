@@ -404,8 +404,69 @@ def test_report_of_a_made_up_divergence_shows_it_around_and_in_the_causes():
     table = derived["divergence"].set_index(["seed", "arm"])
     assert table.loc[(0, "mxfp4pv"), "divergence_step"] == 23  # above 0.15 from 22
     assert not table.loc[(0, "mxfp4pv_leakfix"), "diverged"]
-    assert "text, mxfp4pv: diverged in 2 of 2 seeds (first at step 23)" in text
+    assert "text, mxfp4pv: diverged in 2 of 2 seeds (first at step 23; 0 by a non-finite " \
+           "loss)" in text
+    assert "No run had a non-finite loss." in text
     assert "Around each divergence" in text and "Null result" not in text
     fix = derived["causes"].set_index("arm").loc["mxfp4pv_leakfix"]
     assert fix["evidence_for"].startswith("diverged in 0/2 seeds where mxfp4pv did in 2/2")
     assert set(figures) == {"curves_text", "probes_text", "published"}
+
+
+# -- the autopsy of a non-finite step ---------------------------------------------------------
+def _overflowing_model():
+    """A 2-layer model whose layer-1 q and k projections are scaled 40x: logits near 150."""
+    gpt = PARTS["gpt"]
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, n_embd=64))
+    with torch.no_grad():
+        model.blocks[1].attn.c_attn.weight[: 2 * 64] *= 40.0
+    return model
+
+
+def test_autopsy_finds_where_p_overflows_its_fixed_row_reference():
+    """Logits near 150 overflow P = 2^(s log2 e) against the shiftless route's row reference
+    0 in layer 1 (log2 P far past 128), not against a running maximum; exact attention on
+    the same q, k, v stays finite."""
+    import contextlib
+
+    gpt, probes, arms = PARTS["gpt"], PARTS["probes"], PARTS["arms"].ARMS
+    model = _overflowing_model()
+    x, y = torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))
+    rows = probes.autopsy(model, x, y, gpt.AttentionCall(arms["mxfp4pv_d64"].recipe),
+                          contextlib.nullcontext)
+    first, second = rows
+    assert first["reproduced"] and not first["origin"] and first["o_nonfinite"] == 0
+    assert second["origin"] and second["inputs_finite"] and second["o_rows_nonfinite"] > 0
+    assert second["reference_nonfinite"] == second["o_nonfinite"]  # the reference itself
+    assert second["exact_nonfinite"] == 0 and second["p_log2_peak_nonfinite_rows"] > 128
+    assert 0 < second["nonfinite_rows_p_overflow"] <= second["o_rows_nonfinite"]
+    steady = probes.autopsy(model, x, y, gpt.AttentionCall(arms["mxfp4pv_running_max"].recipe),
+                            contextlib.nullcontext)
+    assert not any(r["reproduced"] or r["origin"] or r["o_nonfinite"] for r in steady)
+    assert all(r["rows_p_overflow"] == 0 for r in steady)
+
+
+def test_a_run_that_goes_non_finite_records_its_autopsy_in_the_table_and_report(tmp_path):
+    """At lr 0.3 the shiftless MXFP4 route's loss turns non-finite within a few steps while
+    bf16's stays finite: that step's autopsy has a row per layer, finds the origin in
+    attention (the reference path agrees, exact attention is finite), and the report shows
+    it."""
+    out = tmp_path / "nonfinite"
+    run_study("pv-divergence", "smoke", ["arms=bf16,mxfp4pv_d64", "tasks=text", "seeds=0",
+                                         "steps=12", "lr=0.3", "activations_rows=0"],
+              out=out, quiet=True)
+    runs = pd.read_parquet(out / "runs.parquet").set_index("arm")
+    autopsy = pd.read_parquet(out / "autopsy.parquet")
+    assert math.isnan(runs.loc["bf16", "nonfinite_step"])
+    step = runs.loc["mxfp4pv_d64", "nonfinite_step"]
+    assert not math.isnan(step)
+    assert set(autopsy["arm"]) == {"mxfp4pv_d64"} and (autopsy["step"] == step).all()
+    assert sorted(autopsy["layer"]) == list(range(STUDY.PRESETS["smoke"].n_layer))
+    origin = autopsy[autopsy["origin"]]
+    assert len(origin) == 1 and origin["reproduced"].all()
+    assert (origin["reference_nonfinite"] == origin["o_nonfinite"]).all()
+    assert (origin["exact_nonfinite"] == 0).all() and (origin["rows_p_overflow"] > 0).all()
+    text = (out / "report.md").read_text()
+    assert "## At the first non-finite step" in text
+    assert "first appeared in attention's output, from finite inputs, in 1;" in text
