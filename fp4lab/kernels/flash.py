@@ -73,14 +73,24 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.formats import Correction, FloatFormat, QuantSpec, Rounding, ScaleArithmetic, ScaleRule
+from fp4lab.formats import (
+    BF16,
+    Correction,
+    FloatFormat,
+    QuantSpec,
+    Rounding,
+    ScaleArithmetic,
+    ScaleRule,
+)
 from fp4lab.formats.philox import split_key
+from fp4lab.kernels.quantize import _bfloat16_round
 from fp4lab.kernels.random import tile_words
 from fp4lab.recipes.tile_stats import SLACK
 
 __all__ = ["attention_forward", "PQuantizer", "TraceBuffers", "FORWARD_STATS", "OUT_STATS"]
 
 LOG2E = math.log2(math.e)
+MODE_BF16 = 5  # PQuantizer's mode of a cast to bf16 (forward and backward)
 # Fused multiply-adds off in every attention kernel, as in the quantizers: on NVPTX the
 # compiler otherwise contracts `tl.dot(q, k) * qk_scale - m_i` into one FMA, so the row's
 # maximum gets z = -(the product's rounding error) rather than 0 and P = exp2(z) lands one ulp
@@ -148,7 +158,9 @@ class PQuantizer:
     """P's format as the kernel's compile-time constants (from a recipe's `p` and lift).
 
     MODE: 0 none, 1 an element cast (a `FloatFormat`), 2 block scales along the keys, 3
-    Direct-P (E2M1 codes from the scores, `direct`).
+    Direct-P (E2M1 codes from the scores, `direct`), 5 a cast to bf16 (rounded on its bits:
+    its grid reaches below fp32's normal range, where `_round`'s quantum trick does not;
+    4 is the backward's per-tile FP32 scale, `fp4lab.kernels.flash_bwd`).
     ELEM: (Q_LO, Q_HI, UNIT, MAXV) of the element format; SCALE: the same of the scale
     format; BLOCK: keys per block; RULE: 0 amax / M_e rounded (NEAREST), 1 OCP's floor power
     of two, 2-5 the alpha rules CEIL, MSE, HALF, RTE, 6 RCEIL (E8M0), 7 CEIL; ARITH: 0 EXACT,
@@ -178,6 +190,8 @@ class PQuantizer:
         check_p(spec, lift, field=field)
         if spec is None:
             return cls(MODE=0, LIFT=lift)
+        if spec == BF16:
+            return cls(MODE=MODE_BF16, LIFT=lift, ELEM=_grid(spec))
         if isinstance(spec, FloatFormat):
             return cls(MODE=1, LIFT=lift, ELEM=_grid(spec))
         return cls(
@@ -243,6 +257,8 @@ def check_p(spec, lift: float, *, field: str = "p") -> None:
     the recipe field named in the message (the backward's P and dS take the same rules)."""
     if spec is None:
         return
+    if spec == BF16:
+        return  # rounded on its bits (MODE 5)
     if isinstance(spec, FloatFormat):
         if spec.emin - spec.mbits < -126:
             raise NotImplementedError(
@@ -442,6 +458,8 @@ def _quantize_p(
         return x, 1.0 / LIFT
     if MODE == 1:
         return _round(x, EQ_LO, EQ_HI, E_UNIT, E_MAX), 1.0 / LIFT
+    if MODE == 5:  # bf16: the mantissa rounded to 7 bits, to nearest even, saturating
+        return tl.minimum(_bfloat16_round(x), E_MAX), 1.0 / LIFT
     blocks = tl.reshape(x, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
     amax = tl.max(blocks, axis=2)
     A = tl.max(tl.max(x, axis=1), axis=0)
@@ -548,7 +566,7 @@ def _p_counts(
     blocks, under, over = zero, zero, zero
     if MODE == 0:
         clipped = zero
-    elif MODE == 1:
+    elif MODE == 1 or MODE == 5:
         clipped = tl.sum(tl.sum((p * LIFT > E_MAX).to(tl.float32), 1), 0)
     elif MODE == 3:  # Direct-P: codes of 2^(z - e_B + log2 M_e) past M_e; e_B at its floor
         zb = tl.reshape(z, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))

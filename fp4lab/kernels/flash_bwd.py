@@ -85,6 +85,7 @@ from fp4lab.formats import BF16, FP32, QuantSpec, ScaleArithmetic, ScaleRule
 from fp4lab.kernels.flash import (
     FP_FUSION,
     LOG2E,
+    MODE_BF16,
     PQuantizer,
     _direct_p,
     _grid,
@@ -107,7 +108,7 @@ __all__ = [
 
 # modes beyond PQuantizer's 0 (none), 1 (cast), 2 (1-D blocks), 3 (Direct-P)
 _MODE_TILE_SCALE = 4  # one FP32 scale per tile: amax / M_e (a per-tensor format on a tile)
-_MODE_BF16 = 5  # a cast to bf16 (its grid reaches below fp32's normal range, unlike `_round`'s)
+_MODE_BF16 = MODE_BF16  # a cast to bf16 (its grid reaches below fp32's normal range)
 
 
 # -- which formats, as compile-time constants --------------------------------------------------

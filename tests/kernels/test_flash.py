@@ -43,7 +43,7 @@ FP8_PV_BUDGET = 2e-3  # FP8 tensor cores' reduced-precision accumulation (GPU on
 RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_alpha_ceil", "nvfp4_ue5m3",
     "fa4fp4_causal", "fa3_fp8", "attn_qat", "fa4fp4_causal_mxfp8pv", "fp8_per_tensor",
-    "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64",
+    "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64", "flash_bf16",
 ]  # fmt: skip
 
 
@@ -216,8 +216,8 @@ def _quantize_p_kernel(
 
 @pytest.mark.parametrize(
     "p_format",
-    ["fp8_e4m3fn", "fp8_e5m2", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_rceil", "mxfp4_ceil",
-     "mxfp4_alpha_ceil", "mxfp4_alpha_mse", "mxfp4_alpha_half", "nvfp4_ue5m3",
+    ["bf16", "fp8_e4m3fn", "fp8_e5m2", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_rceil",
+     "mxfp4_ceil", "mxfp4_alpha_ceil", "mxfp4_alpha_mse", "mxfp4_alpha_half", "nvfp4_ue5m3",
      "nvfp4_reciprocal", "nvfp4_divide_unrounded", "mxfp8_e4m3", "mxfp8_e5m2"],
 )  # fmt: skip
 def test_p_tile_quantized_in_registers_is_the_reference_bit_for_bit(p_format):

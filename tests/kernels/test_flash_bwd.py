@@ -50,7 +50,7 @@ FP8_PV_BUDGET = 5e-3  # the forward's FP8 P V on a GPU reaches D (not yet measur
 RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "fp8_per_tensor", "fa3_fp8", "fa4fp4_causal",
     "fa4fp4_causal_mxfp8pv", "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64",
-    "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "attn_qat_dropin",
+    "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "attn_qat_dropin", "flash_bf16",
 ]  # fmt: skip
 GRADS = ("dq", "dk", "dv")
 
@@ -330,7 +330,7 @@ gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 
 @gpu
 @pytest.mark.parametrize("recipe", ["exact", "nvfp4", "fa3_fp8", "fa4fp4_causal", "attn_qat",
-                                    "fa4fp4_causal_mxfp4pv"])  # fmt: skip
+                                    "fa4fp4_causal_mxfp4pv", "flash_bf16"])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_full_size_gradients_on_the_gpu(recipe, causal):
     # head_dim 128, the recipes' own tiles (128 x 128 for fp4-fa4), fresh random inputs

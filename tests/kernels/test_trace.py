@@ -58,7 +58,7 @@ ATOL, RTOL = 2e-6, 1e-5
 DS_ATOL, DS_RTOL, DS_ELEMENTS = 1e-4, 2e-2, 32  # dS's columns: see the module docstring
 RECIPES = [
     "exact", "nvfp4", "mxfp4", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv",
-    "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "fa3_fp8",
+    "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "fa3_fp8", "flash_bf16",
 ]  # fmt: skip
 
 
