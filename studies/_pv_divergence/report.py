@@ -308,6 +308,26 @@ def last_probes(probes: pd.DataFrame, evals: pd.DataFrame) -> pd.DataFrame:
                       on=RUN_KEYS + ["step"], how="left")
 
 
+def _logit_summary(probes: pd.DataFrame) -> list[str]:
+    """The largest logit per arm (maximum over the run's probes and layers, mean over seeds)
+    against bf16's: attention logit growth, which a fixed row reference turns into overflow."""
+    if "max_logit" not in probes or REFERENCE_ARM not in set(probes["arm"]):
+        return []
+    lines = []
+    for task, rows in probes.groupby("task", sort=False):
+        peak = rows.groupby(["arm", "seed"], sort=False)["max_logit"].max()
+        mean = peak.groupby(level="arm", sort=False).mean()
+        if REFERENCE_ARM not in mean:
+            continue
+        base = mean[REFERENCE_ARM]
+        lines.append(f"{task}, largest logit over each run's probes (mean over seeds): "
+                     + ", ".join(f"{arm} {number(v, 3)}" for arm, v in mean.items())
+                     + f"; above 4x {REFERENCE_ARM}'s in "
+                     + (", ".join(a for a, v in mean.items() if v > 4 * base) or "no arm")
+                     + " (a run stopped by a non-finite loss has only its probes before it).")
+    return lines
+
+
 def _inside_summary(last: pd.DataFrame) -> list[str]:
     lines = []
     for task, rows in last.groupby("task", sort=False):
@@ -436,6 +456,7 @@ def report(config, metrics: pd.DataFrame, tables: dict):
     speed = speed_verdict(runs)
     autopsies = tables.get("autopsy")
     summary = (_summary(config, table, causes) + _inside_summary(last_probes(probes, evals))
+               + _logit_summary(probes)
                + _autopsy_summary(autopsies if autopsies is not None and len(autopsies)
                                   else None)
                + published_short + ([speed] if speed else []))
@@ -607,9 +628,9 @@ def _curves(config, rows, colors, styles, table) -> Figure:
 def _probe_curves(probes, evals, colors, styles) -> Figure:
     panels = [("val_loss", "validation loss", evals), ("p_flushed", "P flushed", probes),
               ("v_clipped", "V clipped", probes), ("do_flushed", "dO flushed (dV)", probes),
-              ("dq_err_vs_exact", "dQ error vs exact", probes),
+              ("dq_err_vs_exact", "dQ error vs exact (log scale)", probes),
               ("leak_max_abs", "future leakage (max |logit change|)", evals),
-              ("max_logit", "largest logit", probes),
+              ("max_logit", "largest logit (log scale)", probes),
               ("p_log2_peak", "log2 P peak (float32 overflows near 128)", probes)]
     fig = Figure(figsize=(16, 6.5), layout="constrained")
     for ax, (column, title, frame) in zip(fig.subplots(2, 4).flat, panels, strict=True):
@@ -619,6 +640,8 @@ def _probe_curves(probes, evals, colors, styles) -> Figure:
                         marker=".", linewidth=1, label=f"{arm} {seed}")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("training tokens", fontsize=8)
+        if "log scale" in title and ax.has_data():
+            ax.set_yscale("log")  # the arms' values span orders of magnitude
     fig.axes[0].legend(fontsize=6, ncol=2)
     return fig
 

@@ -396,6 +396,7 @@ def test_report_of_a_made_up_divergence_shows_it_around_and_in_the_causes():
     layers = pd.DataFrame([{**k, "step": s, "tokens": (s + 1) * 128, "layer": 0,
                             **{c: 0.1 for c in PARTS["report"].PROBE_COLUMNS}}
                            for k in key for s in probe_steps])
+    layers.loc[(layers["arm"] == "mxfp4pv") & (layers["step"] == 29), "max_logit"] = 1.0
     runs = pd.DataFrame([{**k, "val_loss": 3.0 + gaps[k["arm"]][-1],
                           "val_loss_exact_attention": 3.0, "tokens": 40 * 128,
                           "tokens_per_second": 1.0} for k in key])
@@ -407,6 +408,8 @@ def test_report_of_a_made_up_divergence_shows_it_around_and_in_the_causes():
     assert "text, mxfp4pv: diverged in 2 of 2 seeds (first at step 23; 0 by a non-finite " \
            "loss)" in text
     assert "No run had a non-finite loss." in text
+    assert "largest logit over each run's probes (mean over seeds): bf16 0.1, fp8pv 0.1, " \
+           "mxfp4pv 1, mxfp4pv_leakfix 0.1; above 4x bf16's in mxfp4pv (" in text
     assert "Around each divergence" in text and "Null result" not in text
     fix = derived["causes"].set_index("arm").loc["mxfp4pv_leakfix"]
     assert fix["evidence_for"].startswith("diverged in 0/2 seeds where mxfp4pv did in 2/2")
