@@ -43,7 +43,7 @@ uninterrupted one has. Under ``torchrun`` the ranks train each cell together wit
 the CPU, NCCL on GPUs; `data_parallel`), the global batch split over them; with
 ``--set data_parallel=false`` the cells spread over the ranks instead (several small runs
 sharing one GPU). ``--preset smoke`` runs on a 2-core CPU in about 30 seconds; ``full`` is
-sized for one H200 (bf16, FP8 and MXFP4 P/V and nine variants, two seeds, each cell a
+sized for one H200 (bf16, FP8 and MXFP4 P/V and eleven variants, two seeds, each cell a
 resumable piece; measured: 12.7 minutes in one process, in two calls of 4.0 and 8.7 minutes,
 2026-12-01, results/pv-divergence-full; _pv_divergence/GPU_PLAN.md has the commands);
 ``long`` scales the same runs up.
@@ -193,11 +193,13 @@ class PVDivergenceConfig:
 
 # the variants of the full preset: the 1.2B records' route, MXFP4 on P or V alone, the
 # mechanisms mxfp4-pv-mechanisms names for training (denominator, anchor, leakage), the
-# published runs' E4M3 projections, and both routes' forwards with an exact backward (at
-# small sizes the v509 backward's fixed-scale E5M2(4 dO) flushes most of dO)
+# published runs' E4M3 projections, both routes' forwards with an exact backward (at small
+# sizes the v509 backward's fixed-scale E5M2(4 dO) flushes most of dO), and both routes with
+# QK-norm (the first full run's logits grew to 10-150x bf16's; a fixed row reference
+# overflows P then). The committed results/pv-divergence-full ran the first thirteen arms.
 _VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_no_rowcorr",
              "mxfp4pv_running_max", "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv", "fp8pv_exact_bwd",
-             "mxfp4pv_exact_bwd")
+             "mxfp4pv_exact_bwd", "mxfp4pv_qknorm", "fp8pv_qknorm")
 PRESETS = {
     "smoke": PVDivergenceConfig(
         arms=("bf16", "fp8pv", "mxfp4pv", "mxfp4_v_only", "mxfp4pv_leakfix"), seeds=(0, 1),

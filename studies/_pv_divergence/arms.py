@@ -49,12 +49,14 @@ class Arm:
         what: what it is, in a phrase.
         qkv_format: a block format on the QKV projection's input and weight, or None.
         grad_clip: the gradient norm clipped to, or None (the default: divergence visible).
+        qk_norm: RMS-normalize each head's q and k before attention (`gpt.GPTConfig`).
     """
 
     recipe: AttentionRecipe | None
     what: str
     qkv_format: str | None = None
     grad_clip: float | None = None
+    qk_norm: bool = False
 
 
 def _variant(base: AttentionRecipe, name: str, **changes) -> AttentionRecipe:
@@ -105,6 +107,10 @@ ARMS: dict[str, Arm] = {
     "fp8pv_e4m3qkv": Arm(FA4FP4_CAUSAL, "FP8 P/V with E4M3 QKV projections (as the published "
                          "runs)", qkv_format=FP8_E4M3_TENSOR.name),
     "mxfp4pv_clip": Arm(_MX, "MXFP4 P/V with the gradient norm clipped to 1", grad_clip=1.0),
+    "mxfp4pv_qknorm": Arm(_MX, "MXFP4 P/V with QK-norm (q and k RMS-normalized per head): "
+                          "the logits bounded", qk_norm=True),
+    "fp8pv_qknorm": Arm(FA4FP4_CAUSAL, "FP8 P/V with QK-norm (q and k RMS-normalized per "
+                        "head): the logits bounded", qk_norm=True),
     "fp8pv_exact_bwd": Arm(FA4FP4_CAUSAL.with_exact_backward(),
                            "FP8 P/V's forward with the exact gradient of it (no FP8 backward)"),
     "mxfp4pv_exact_bwd": Arm(_MX.with_exact_backward(),
@@ -145,4 +151,7 @@ CAUSES = (
     Cause("the v509 FP8 backward on FP8 P/V", "fp8pv_exact_bwd", "fp8pv", "fix"),
     Cause("the D128 route's softmax (anchor) versus the D64 one (shiftless)", "mxfp4pv_d64",
           "mxfp4pv", "cause"),
+    Cause("attention logit growth (P past float32 against a fixed row reference)",
+          "mxfp4pv_qknorm", "mxfp4pv", "fix"),
+    Cause("attention logit growth on the FP8 route", "fp8pv_qknorm", "fp8pv", "fix"),
 )

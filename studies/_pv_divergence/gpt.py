@@ -18,6 +18,12 @@ The QKV projection can take a block format on its input and weight (``qkv_format
 published runs' E4M3 projections (their ``fp8_qkv_projection_format``); the assumption that
 the projection's own backward is unquantized is stated in the report.
 
+With ``qk_norm`` each head's q and k are RMS-normalized (a learned gain per dimension, one
+per layer for q and one for k, initialised to 1) before the rotary map: QK-norm (Dehghani et
+al. 2023, arXiv 2302.05442; Wortsman et al. 2023, arXiv 2309.14322), which bounds the
+attention logits by the gains. It adds no random draws, so a QK-norm model starts from the
+same weights as the one without.
+
 A model may record, for one forward, each layer's q, k, v and the gradient arriving at its
 attention output (`GPT.capture`), which the study's probes read.
 """
@@ -46,6 +52,7 @@ class GPTConfig:
     n_embd: int = 256  # model width (head_dim = n_embd / n_head)
     rope_base: float = 10000.0  # rotary frequency base
     qkv_format: str | None = None  # block format on the QKV projection's input and weight
+    qk_norm: bool = False  # RMS-normalize each head's q and k (learned gains) before rotary
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -102,6 +109,10 @@ class SelfAttention(nn.Module):
         self.config, self.layer = config, layer
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(config.head_dim, eps=1e-6)
+            self.k_norm = nn.RMSNorm(config.head_dim, eps=1e-6)
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
         weight, fmt = self.c_attn.weight, self.config.qkv_format
@@ -114,6 +125,8 @@ class SelfAttention(nn.Module):
         b, t, c = x.shape
         h, d = self.config.n_head, self.config.head_dim
         q, k, v = self.qkv(x).view(b, t, 3, h, d).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, self.config.rope_base), rotary(k, self.config.rope_base)
         y = attend(q, k, v, call, self.layer)  # (B, H, T, D)
         if capture is not None:
@@ -178,6 +191,8 @@ class GPT(nn.Module):
         return F.linear(self.ln_f(x), self.wte.weight)  # tied head
 
     def attention_parameters(self, layer: int) -> list[nn.Parameter]:
-        """The parameters of layer `layer`'s attention (QKV and output projections)."""
+        """The parameters of layer `layer`'s attention (QKV and output projections, and the
+        QK-norm gains where there are any)."""
         attn = self.blocks[layer].attn
-        return [attn.c_attn.weight, attn.c_proj.weight]
+        gains = [] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
+        return [attn.c_attn.weight, attn.c_proj.weight, *gains]

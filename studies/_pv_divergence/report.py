@@ -273,7 +273,10 @@ def _setup(config, runs: pd.DataFrame) -> str:
         f"{config.min_lr_ratio:g} x lr over {config.steps} steps, no gradient clipping (but "
         f"in mxfp4pv_clip); global batch {config.batch} x {config.seq_len} = {tokens:,} "
         f"tokens per step; seeds {', '.join(map(str, config.seeds))}, each seed's initial "
-        "weights and data order shared by every arm.\n\n")
+        "weights and data order shared by every arm"
+        + ("" if not any(ARMS[a].qk_norm for a in config.arms) else
+           f" (the QK-norm arms add {2 * config.n_layer * (config.n_embd // config.n_head)} "
+           "gains, initialised to 1)") + ".\n\n")
     if "text" in config.tasks and "corpus_train_sha256" in runs:
         row = runs[runs["task"] == "text"].iloc[0]
         text += (f"Text: {int(row['corpus_documents'])} documents of pydoc_data.topics and "

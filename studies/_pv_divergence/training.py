@@ -115,7 +115,8 @@ def task_of(spec: RunSpec):
 def build(spec: RunSpec, device: str) -> tuple[GPT, torch.optim.Optimizer]:
     """The model (initialised from init_seed) and AdamW (decay on matrices only)."""
     arm = ARMS[spec.arm]
-    config = GPTConfig(**{**asdict(spec.model), "qkv_format": arm.qkv_format})
+    config = GPTConfig(**{**asdict(spec.model), "qkv_format": arm.qkv_format,
+                          "qk_norm": arm.qk_norm})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.init_seed)
         model = GPT(config)

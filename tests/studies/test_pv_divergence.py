@@ -5,6 +5,7 @@ process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -473,3 +474,31 @@ def test_a_run_that_goes_non_finite_records_its_autopsy_in_the_table_and_report(
     text = (out / "report.md").read_text()
     assert "## At the first non-finite step" in text
     assert "first appeared in attention's output, from finite inputs, in 1;" in text
+
+
+# -- QK-norm ------------------------------------------------------------------------------------
+def test_qk_norm_starts_from_the_same_weights_and_feeds_attention_unit_rms_heads():
+    """The QK-norm arms' models draw the same initial weights as the others (their gains add
+    no draws), and each head's q and k reach attention with RMS 1 (the rotary map keeps it)."""
+    import contextlib
+
+    training, probes = PARTS["training"], PARTS["probes"]
+    spec = STUDY.run_spec(STUDY.PRESETS["smoke"], {"task": "text", "seed": 0,
+                                                   "arm": "mxfp4pv_qknorm"}, 0, 1)
+    normed, _ = training.build(spec, "cpu")
+    plain, _ = training.build(dataclasses.replace(spec, arm="mxfp4pv"), "cpu")
+    shared = dict(plain.named_parameters())
+    extra = {n for n, _ in normed.named_parameters()} - set(shared)
+    assert extra == {f"blocks.{i}.attn.{w}_norm.weight" for i in range(spec.model.n_layer)
+                     for w in "qk"}
+    for name, p in normed.named_parameters():
+        if name in shared:
+            assert torch.equal(p, shared[name]), name
+    x = torch.randint(0, 256, (2, spec.model.seq_len))
+    capture = probes.captured_step(normed, x, x, PARTS["gpt"].AttentionCall(None),
+                                   contextlib.nullcontext, 2)
+    for q, k in zip(capture.q, capture.k, strict=True):
+        for t in (q, k):
+            rms = t.float().pow(2).mean(-1).sqrt()
+            assert torch.allclose(rms, torch.ones_like(rms), atol=1e-3)
+    assert len(normed.attention_parameters(0)) == 4
