@@ -195,7 +195,7 @@ class PVDivergenceConfig:
 # mechanisms mxfp4-pv-mechanisms names for training (denominator, anchor, leakage), the
 # published runs' E4M3 projections, both routes' forwards with an exact backward (at small
 # sizes the v509 backward's fixed-scale E5M2(4 dO) flushes most of dO), and both routes with
-# QK-norm (the first full run's logits grew to 10-150x bf16's; a fixed row reference
+# QK-norm (the first full run's logits grew to 8-160x bf16's; a fixed row reference
 # overflows P then). The committed results/pv-divergence-full ran the first thirteen arms.
 _VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_no_rowcorr",
              "mxfp4pv_running_max", "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv", "fp8pv_exact_bwd",
