@@ -79,7 +79,11 @@ def add_study_commands(subparsers) -> argparse.ArgumentParser:
         "--resume", action="store_true",
         help="finish the run stored in --out, skipping the cells it finished",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--quiet", action="store_true",
+        help="no progress bar (under several ranks, a rank whose cell or wait for the others "
+        "lasts a minute still says so on stderr)",
+    )
     p.add_argument(
         "--nproc", type=int, default=1,
         help="start N processes with torchrun (torch.distributed.run --standalone "

@@ -12,8 +12,10 @@
    (gloo, on the CPU) and rank 0 stores each finished cell, so a killed sweep loses at
    most the round in flight. A data-parallel study (its ``data_parallel(config)`` True)
    runs each cell on all ranks together instead (its own DDP inside the cell) and rank 0's
-   rows are stored. A cell's seed is a hash of the run's seed and the cell's parameters,
-   so neither the rank that runs it nor the session changes its numbers. A cell may keep
+   rows are stored. A rank whose cell, or wait in the gather, lasts a minute says so on
+   stderr (`_watch`), again at 2, 4, 8, ... minutes, naming its cell, even with ``quiet``.
+   A cell's seed is a hash of the run's seed and the cell's parameters, so neither the
+   rank that runs it nor the session changes its numbers. A cell may keep
    checkpoints in its scratch folder (``CellContext.scratch``): a resumed run finds them
    there, and the folder is deleted once the cell is stored;
 4. (rank 0) assemble the metrics table from the stored cells in the sweep's order and write
@@ -29,11 +31,15 @@ finished: a run that fails at once leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
 import re
 import shutil
+import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -68,6 +74,7 @@ __all__ = ["run_study", "rebuild_report", "cell_seed"]
 
 _RESERVED = ("cell", "cell_seed")
 _SAME_RUN = ("study", "seed", "device", "backend", "config")
+_FIRST_REPORT_S = 60.0  # seconds of a rank's phase before `_watch` first reports it
 
 
 def cell_seed(seed: int, cell: dict) -> int:
@@ -260,13 +267,61 @@ def _sweep(study, config, cells, pending, opener: _Opener, ranks, run, quiet) ->
                                   rank=ranks.rank if shared else 0,
                                   world_size=ranks.world if shared else 1,
                                   folder=opener.path)
-                result = _run_cell(study, config, cells[mine], ctx, ranks.world > 1)
-            results = ranks.gather(result)
+                with _watch(ranks, f"{study.name}: rank {ranks.rank} has run cell {mine} "
+                            f"({cell_label(cells[mine])})"):
+                    result = _run_cell(study, config, cells[mine], ctx, ranks.world > 1)
+            with _watch(ranks, f"{study.name}: rank {ranks.rank} has waited in the gather for "
+                        f"the round's other ranks ({_others(round_, ranks, shared)})"):
+                results = ranks.gather(_portable(result))
             stored = [r for r in results if r is not None and "tables" in r]
             if ranks.rank == 0 and stored:
                 _store(opener, cells, stored[:1] if shared else stored)
             _raise_failures(results, result, ranks)
             bar.update(len(round_))
+
+
+def _others(round_: list[int], ranks: _Ranks, shared: bool) -> str:
+    """The cells of a round's other ranks, for `_watch`'s line: "cell 2 on rank 2, ..."."""
+    return ", ".join(f"cell {round_[0] if shared else round_[r]} on rank {r}"
+                     for r in range(ranks.world) if r != ranks.rank and (shared or r < len(round_)))
+
+
+@contextlib.contextmanager
+def _watch(ranks: _Ranks, what: str):
+    """Under several ranks, `what`, how long and the line this thread is at, on stderr after
+    `_FIRST_REPORT_S` seconds of the block and at each doubling: a slow or stuck rank shows
+    itself long before gloo's 30-minute timeout would end the gather (without naming it)."""
+    if ranks.world == 1:
+        yield
+        return
+    done, caller = threading.Event(), threading.get_ident()
+
+    def report() -> None:
+        start, after = time.monotonic(), _FIRST_REPORT_S
+        while not done.wait(max(0.0, start + after - time.monotonic())):
+            tqdm.write(f"{what} for {_duration(time.monotonic() - start)} (at "
+                       f"{_line_of(caller)})", file=sys.stderr)
+            after *= 2
+
+    watcher = threading.Thread(target=report, name="fp4lab-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def _line_of(thread_id: int) -> str:
+    """The innermost Python frame of a running thread: "file.py:123 in function"."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return "an unknown line"
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def _store(opener: _Opener, cells: list[dict], done: list[dict]) -> None:
@@ -301,8 +356,17 @@ def _merge(study: Study, cell: dict, ctx: CellContext, row: dict) -> dict:
     return {"cell": ctx.index, **cell, "cell_seed": ctx.cell_seed, **row}
 
 
+def _portable(result: dict | None) -> dict | None:
+    """What the other ranks get of a result: a failure's error stays on its rank (an
+    exception may not pickle, or not unpickle: one whose __init__ wants other arguments than
+    its args), its traceback's text travels."""
+    if result is None or "error" not in result:
+        return result
+    return {key: value for key, value in result.items() if key != "error"}
+
+
 def _raise_failures(results: list, mine, ranks: _Ranks) -> None:
-    failed = [r for r in results if r is not None and "error" in r]
+    failed = [r for r in results if r is not None and "trace" in r]
     if not failed:
         return
     if mine is not None and "error" in mine:

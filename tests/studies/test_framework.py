@@ -298,6 +298,59 @@ def test_two_gloo_ranks_give_the_table_of_one_process(tmp_path):
     assert env["world_size"] == 2
 
 
+TOY_RANKS = Path(__file__).resolve().parent / "toy_ranks"
+
+
+def run_two_ranks(out: Path, *overrides: str, first_report: float = 60.0):
+    """toy-ranks under torchrun with 2 gloo ranks (importing this tree's fp4lab), `_watch`'s
+    first report after `first_report` seconds; the finished process (its stderr holds every
+    rank's)."""
+    script = out.with_name(f"{out.name}-launch.py")
+    script.write_text(
+        "import sys\nimport fp4lab.studies.runner as runner\n"
+        f"runner._FIRST_REPORT_S = {first_report}\n"
+        f"runner.run_study('toy-ranks', 'smoke', sys.argv[1:], out={str(out)!r}, "
+        f"folder={str(TOY_RANKS)!r}, quiet=True)\n"
+    )
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), *overrides],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_a_slow_rank_and_the_rank_waiting_for_it_say_so_and_name_the_cell(tmp_path):
+    """Cell 1 (rank 1) sleeps 3 s with reports after 0.5, 1, 2 s: rank 1 names its cell and
+    the line it is at, rank 0 the cell it waits for (it started waiting no later than rank 1
+    started the cell); the results are those of a quick run, which says nothing."""
+    done = run_two_ranks(tmp_path / "slow", "slow=1", "pause=3", first_report=0.5)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    running = [x for x in lines if x.startswith("toy-ranks: rank 1 has run cell 1 (i=1) for")]
+    waiting = [x for x in lines if x.startswith(
+        "toy-ranks: rank 0 has waited in the gather for the round's other ranks (cell 1 on "
+        "rank 1) for")]
+    assert len(running) == 3 and len(waiting) >= 3, done.stderr[-3000:]
+    assert running[0].endswith("s (at toy_ranks.py:38 in run_cell)"), running[0]
+    quick = run_two_ranks(tmp_path / "quick")
+    assert quick.returncode == 0 and "toy-ranks: rank" not in quick.stderr
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "slow" / "metrics.parquet"),
+                                  pd.read_parquet(tmp_path / "quick" / "metrics.parquet"))
+
+
+def test_an_error_that_does_not_unpickle_still_names_its_cell_on_every_rank(tmp_path):
+    """Cell 1 raises an error that pickles but does not unpickle: rank 1 raises it, rank 0
+    says cell 1 failed with its traceback (the gather carries the text, not the error)."""
+    done = run_two_ranks(tmp_path / "fail", "fail=1")
+    assert done.returncode != 0
+    error = "fp4lab_study_toy_ranks.KeywordError: the widget broke"
+    assert f"[rank1]: {error}" in done.stderr, done.stderr[-3000:]
+    assert "[rank0]: RuntimeError: cell 1 failed on another rank:" in done.stderr
+    assert f"[rank0]: {error}" in done.stderr
+    assert "takes 1 positional argument" not in done.stderr
+
+
 # -- the command line ------------------------------------------------------------------------
 
 
