@@ -7,6 +7,14 @@ handed to the kernel as bf16 values that are exact (codes times block scales)
 plus fp32 factors per (batch, head) for what bf16 cannot hold (tensor scales, the 1/M_e of an
 alpha grid). P is quantized inside the kernel (`fp4lab.kernels.flash`).
 
+SageAttention3's smooth_q splits Q on the host, as the simulation does: Q - M (M each query
+tile's mean, in fp32) is the operand quantized, and the mean's scores M K^T against the
+unquantized (smoothed) K, one fp32 per (query tile, key) per head (`mean_scores`: block_m
+times smaller than the scores, as the released kernel's ``delta_s``), are added to each
+tile's scores in the kernels; the backward rebuilds its scores the same way where it takes
+the forward's Q^ (backward_p=quantized_qk), and a dK on the forward's Q^ (straight through,
+forward_exact) takes (Q - M)^ + M, as the simulation's.
+
 The backward (`fp4lab.kernels.flash_bwd`, through the autograd Function here) quantizes its
 whole-tensor operands the same way, as the recipe's backward fields say (dO for dV and for
 dP, V, K and Q for dP, dQ and dK; or the forward's Q^, K^, V^ for the straight-through and
@@ -28,9 +36,11 @@ from the host, which are not written); uninstrumented calls compile the kernel w
 
 What the kernels do not cover yet raises `NotImplementedError` naming it, before anything
 runs: a trace with an explicit reference_dtype, masks other than causal, inputs other than
-bf16/fp16, dropout, the recipe mechanisms `fp4lab.kernels.flash` lists, and the backward's
-(`check_backward`: Hadamard transforms and 2-D blocks on its operands, fixed scales or other
-block formats on P and dS than the kernel quantizes). Nothing falls back to the reference.
+bf16/fp16, dropout, the recipe mechanisms `fp4lab.kernels.flash` lists, incoherent
+processing, smooth_q on an unquantized Q (or a cast wider than bf16: Q - M is fp32), and the
+backward's (`check_backward`: Hadamard transforms and 2-D blocks on its operands, fixed
+scales or other block formats on P and dS than the kernel quantizes). Nothing falls back to
+the reference.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 
 from fp4lab.formats import FP8_E4M3FN, FP32, FloatFormat, QuantSpec, round_to_format
 from fp4lab.formats.streams import as_generators, pass_key, stream_keys, tensor_uniforms
@@ -83,9 +94,13 @@ def check_recipe(recipe: AttentionRecipe) -> None:
         missing.append("Direct-P's affine code map (direct_p_affine)")
     if recipe.tensor_scope is TensorScope.TILE:
         missing.append("tensor_scope=tile")
-    for name in ("smooth_q", "incoherent_processing"):
-        if getattr(recipe, name):
-            missing.append(name)
+    if recipe.incoherent_processing:
+        missing.append("incoherent_processing")
+    if recipe.smooth_q and not _bf16_exact(recipe.q):
+        missing.append(
+            f"smooth_q with q={getattr(recipe.q, 'name', None)} (Q minus its tile means is "
+            "fp32, which the kernel would read rounded to bf16; smooth_q needs a q format)"
+        )
     if recipe.block_axis("p") != -1:
         missing.append("p blocked along the queries (block_axes; the kernel blocks P along keys)")
     missing += _untransformed_gaps(recipe, ("q", "k", "v"))
@@ -98,6 +113,14 @@ def check_recipe(recipe: AttentionRecipe) -> None:
         check_direct_p(recipe.p)
     else:
         check_p(recipe.p, recipe.p_lift)
+
+
+def _bf16_exact(spec) -> bool:
+    """Whether a whole-tensor operand's stored values are bf16-exact whatever its input (fp32
+    Q - mean included): a block format's codes times scales, a cast of at most bf16's bits."""
+    if isinstance(spec, FloatFormat):
+        return spec.mbits <= 7 and spec.emin - spec.mbits >= -133 and spec.emax <= 127
+    return spec is not None
 
 
 def _untransformed_gaps(recipe: AttentionRecipe, fields) -> list[str]:
@@ -271,7 +294,12 @@ def _per_head(scale: torch.Tensor, b: int, h: int, groups: int) -> torch.Tensor:
 def prepare(q, k, v, recipe: AttentionRecipe, block_n: int):
     """(q, k, v, factors) as the kernel reads them: K smoothed as the recipe says, each
     operand quantized (`_operand`), V key-major E4M3 where P V runs on the FP8 tensor cores
-    (with key tiles of `block_n`)."""
+    (with key tiles of `block_n`). Not for smooth_q, whose Q and scores depend on block_m
+    (`smooth_q`, `mean_scores`)."""
+    if recipe.smooth_q:
+        raise NotImplementedError(
+            f"recipe {recipe.name!r}: prepare does not split Q for smooth_q; use attention"
+        )
     qs, ks, vs, factors = quantize_operands(q, smooth_k(k, recipe), v, recipe)
     if _fp8_pv(recipe, block_n):
         vs = _key_major_fp8(vs)
@@ -286,6 +314,38 @@ def smooth_k(k, recipe: AttentionRecipe):
     if recipe.smooth_k is SmoothK.GLOBAL:
         return k - k.mean(dim=(0, 1, 2), keepdim=True)
     return k
+
+
+def smooth_q(q: torch.Tensor, recipe: AttentionRecipe, block_m: int):
+    """(Q - M, M) with smooth_q: q (B, H, Sq, D) in fp32 minus each query tile's mean M, and
+    the means (B, H, n_q, D) fp32, each the tile's sum over block_m rows (padding rows
+    counting as zeros) divided by block_m, in the simulation's fp32 arithmetic and order
+    (`fp4lab.analysis.flash._smooth_q`); (q, None) without smooth_q."""
+    if not recipe.smooth_q:
+        return q, None
+    B, H, Sq, D = q.shape
+    n_q = -(-Sq // block_m)
+    qw = q.float()
+    padded = qw if n_q * block_m == Sq else F.pad(qw, (0, 0, 0, n_q * block_m - Sq))
+    tiles = padded.reshape(B, H, n_q, block_m, D)  # (B, H, n_q, bm, D)
+    mean = tiles.sum(dim=-2, keepdim=True) / block_m  # (B, H, n_q, 1, D)
+    rows = mean.expand_as(tiles).reshape(B, H, n_q * block_m, D)[:, :, :Sq]
+    return qw - rows, mean.squeeze(-2)
+
+
+def mean_scores(q_mean: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """smooth_q's correction of the scores as the kernels add it, in log2 units: (B, H, n_q,
+    Sk) fp32, scale log2(e) times M_i . k_j for each query tile's mean M_i (B, H, n_q, D) and
+    each key of k (B, Hkv, Sk, D; the unquantized, smoothed K, as the simulation's
+    ``k_plain``). The dot products in float64 rounded once to fp32: the simulation's fp32
+    matmul within its rounding, and no TF32 setting can shorten it."""
+    from fp4lab.kernels.flash import LOG2E
+
+    B, H, n_q, D = q_mean.shape
+    Hk, Sk = k.shape[1], k.shape[2]
+    means = q_mean.reshape(B, Hk, H // Hk * n_q, D).double()  # (B, Hkv, G n_q, D)
+    dots = (means @ k.double().transpose(-1, -2)).float()  # (B, Hkv, G n_q, Sk)
+    return (dots * (scale * LOG2E)).reshape(B, H, n_q, Sk).contiguous()
 
 
 def quantize_operands(q, k, v, recipe: AttentionRecipe, key: int | None = None):
@@ -378,8 +438,11 @@ def backward_quantizers(recipe: AttentionRecipe):
 def backward_operands(do, saved: dict, recipe: AttentionRecipe, keys=(None, None)):
     """The backward's whole-tensor operands quantized as the recipe says (`_operand`), from
     what the forward saved (`saved`: q, k (smoothed), v as given; the forward's stored Q^,
-    K^, V^ and their factors; its output o and lse; Attn-QAT's O' or None). `keys`: the
-    (forward, backward) pass keys of a stochastic recipe (`fp4lab.formats.streams`)."""
+    K^, V^ and their factors; its output o and lse; Attn-QAT's O' or None; smooth_q's tile
+    means q_mean or None, and the softmax scale). `keys`: the (forward, backward) pass keys
+    of a stochastic recipe (`fp4lab.formats.streams`). With smooth_q the forward's Q^ is
+    Q - M quantized: scores rebuilt from it add M K^T (`mean_scores`), and a dK taking it
+    (straight through) takes Q^ + M, as the simulation does."""
     from fp4lab.kernels.flash_bwd import BackwardOperands
 
     q, k, v = saved["q"], saved["k"], saved["v"]
@@ -397,8 +460,11 @@ def backward_operands(do, saved: dict, recipe: AttentionRecipe, keys=(None, None
         k_dq, q_dk = _operand(k, recipe, "dq_k", 1, key), _operand(q, recipe, "dk_q", g, key)
     else:  # straight through the forward's quantizers: its Q^, K^, V^
         v_dp, k_dq, q_dk = v_hat, k_hat, q_hat
+    q_mean, shift = saved.get("q_mean"), None
     if recipe.backward_p is BackwardP.QUANTIZED_QK:
         scores_q, scores_k = q_hat, k_hat
+        if q_mean is not None:
+            shift = mean_scores(q_mean, k, saved["scale"])
     else:
         scores_q, scores_k = _plain(q), _plain(k)
     plain_do = _plain(do)
@@ -410,7 +476,8 @@ def backward_operands(do, saved: dict, recipe: AttentionRecipe, keys=(None, None
         o, do_delta = saved["o"], plain_do
     return BackwardOperands(
         q=scores_q, k=scores_k, do_dv=do_dv, do_dp=do_dp, v_dp=v_dp, k_dq=k_dq, q_dk=q_dk,
-        o=o.to(_store_dtype(o)), do_delta=do_delta, lse=saved["lse"],
+        o=o.to(_store_dtype(o)), do_delta=do_delta, lse=saved["lse"], mean_scores=shift,
+        q_dk_mean=q_mean if recipe.backward is not BackwardMode.FLASH else None,
     )  # fmt: skip
 
 
@@ -445,7 +512,9 @@ class _TritonAttention(torch.autograd.Function):
         from fp4lab.kernels.flash import TraceBuffers, attention_forward
 
         fwd_key = pass_key(generator) if recipe.stochastic else None  # as the simulation's
-        qs, ks, vs, factors = quantize_operands(q, k, v, recipe, fwd_key)
+        q_src, q_mean = smooth_q(q, recipe, block_m)  # Q - M quantized, M K^T added in fp32
+        qs, ks, vs, factors = quantize_operands(q_src, k, v, recipe, fwd_key)
+        shift = None if q_mean is None else mean_scores(q_mean, k, scale)
         vs_kernel = _key_major_fp8(vs) if _fp8_pv(recipe, block_n) else vs
         grads = any(ctx.needs_input_grad[:3])
         o_prime = m_ref = None  # Attn-QAT's O', for D; the row references, for the replay
@@ -461,7 +530,7 @@ class _TritonAttention(torch.autograd.Function):
         tiles = dict(causal=causal, scale=scale, block_m=block_m, block_n=block_n)
         o, lse = attention_forward(
             qs, ks, vs_kernel, factors, pq, lse_log2=True, o_prime=o_prime, m_ref=m_ref,
-            trace=bufs, out_dtype=None if bufs is None else torch.float32,
+            mean_scores=shift, trace=bufs, out_dtype=None if bufs is None else torch.float32,
             sr_key=_stream(fwd_key, "p"), **tiles, **forward_options(recipe, causal, v),
         )  # fmt: skip
         if trace is not None:
@@ -473,14 +542,16 @@ class _TritonAttention(torch.autograd.Function):
                 qp, kp, vp, (qpf, kpf, vpf), PQuantizer(MODE=0), out_dtype=torch.float32,
                 **tiles,
             )  # fmt: skip
+            smoothed = None if q_mean is None else (q_src, q_mean)
+            cfg = dict(**tiles, mode=pq.MODE)
             ctx.trace_call = record_forward(
-                trace, recipe, (q, k, v), bufs, (o, lse), exact, dict(**tiles, mode=pq.MODE)
+                trace, recipe, (q, k, v), bufs, (o, lse), exact, cfg, smoothed
             )
         out = o.to(q.dtype)
         if grads:  # the outputs as returned (in q's dtype): D reads them so, as the simulation
             o_prime = out if o_prime is None else o_prime.to(q.dtype)
             m_ref = lse if m_ref is None else m_ref
-            ctx.save_for_backward(q, k, v, qs, ks, vs, *factors, out, o_prime, lse, m_ref)
+            ctx.save_for_backward(q, k, v, qs, ks, vs, *factors, out, o_prime, lse, m_ref, q_mean)
             ctx.call = (recipe, causal, scale, block_m, block_n, generator, fwd_key)
             ctx.traced = trace is not None
         return out
@@ -490,13 +561,13 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, do):
         from fp4lab.kernels.flash_bwd import attention_backward, trace_buffers
 
-        q, k, v, qs, ks, vs, qf, kf, vf, out, o_prime, lse, m_ref = ctx.saved_tensors
+        q, k, v, qs, ks, vs, qf, kf, vf, out, o_prime, lse, m_ref, q_mean = ctx.saved_tensors
         recipe, causal, scale, block_m, block_n, generator, fwd_key = ctx.call
         key = pass_key(generator) if recipe.stochastic else None  # after the forward's
         replay = recipe.backward is BackwardMode.FORWARD_EXACT
         saved = dict(
             q=q, k=k, v=v, q_hat=(qs, qf), k_hat=(ks, kf), v_hat=(vs, vf), o=out, lse=lse,
-            o_prime=o_prime,
+            o_prime=o_prime, q_mean=q_mean, scale=scale,
         )  # fmt: skip
         bufs = None
         if ctx.traced:  # the instrumented kernels (TRACE), their statistics into bufs
@@ -514,7 +585,10 @@ class _TritonAttention(torch.autograd.Function):
 
             modes = dict(zip(("dv", "dq", "dk"), (tq.pq.MODE for tq in quantizers), strict=True))
             tiles = dict(causal=causal, block_m=block_m, block_n=block_n)
-            record_backward(ctx.trace_call, recipe, (q, k, v, do), bufs, lse, modes, tiles)
+            smoothed = None if q_mean is None else (smooth_q(q, recipe, block_m)[0], q_mean)
+            record_backward(
+                ctx.trace_call, recipe, (q, k, v, do), bufs, lse, modes, tiles, smoothed
+            )
         grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
         return (*grads, None, None, None, None, None, None, None)  # recipe ... trace
 

@@ -6,11 +6,14 @@ one (batch, head) and walks the key/value tiles it can see (first to last, or la
 as the recipe's `kv_order` says), keeping the online softmax's m_i, l_i and acc in registers.
 Q, K and V arrive already quantized as the recipe says (by `fp4lab.formats.fake_quantize`,
 whole tensors, as the simulation quantizes them); P is quantized inside the kernel, tile by
-tile, along the keys, with the recipe's `p` format and lift.
+tile, along the keys, with the recipe's `p` format and lift. With smooth_q (SageAttention3),
+Q arrives as its quantized Q - M and each query tile's mean scores M_i K^T as one fp32 row
+(`mean_scores`, from the host), added to the tile's scores before anything else reads them.
 
 The algorithm per key tile j (in log2 units, z = scale log2(e) S):
 
     z = scale log2(e) (Q^_i K^_j^T)            # fp32 accumulate
+      (+ scale log2(e) M_i K_j^T)              # smooth_q: Q^ is (Q - M)^, M the tile's mean
     -- update m_i --                           running max, lazy max (FA4) or none
     P = exp2(z - m_i)
     P^ = q(lift P) / lift                      # the recipe's p format, per block of keys
@@ -656,10 +659,11 @@ def _trace_p_tile(
 # fmt: off
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, n_k, offs_m,
-    rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, stride_pd,
-    first, count, stats_base, lost_base, sr_k0, sr_k1, batch, head,
+    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base, n_k,
+    offs_m, rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
+    stride_pd, first, count, stats_base, lost_base, sr_k0, sr_k1, batch, head,
     MASKED: tl.constexpr, SAVE_M: tl.constexpr, LEAK: tl.constexpr, REVERSE: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FIXED: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
     ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr, PRIME: tl.constexpr,
@@ -677,7 +681,8 @@ def _fwd_inner(
     where query and key share a block of LEAK positions, P and V enter unquantized (V from
     vp_base, its product divided by V's factor, which the output takes at the end). PRIME:
     also Attn-QAT's O' (acc_p, l_p): the unquantized P times V^, over the sum of that P.
-    SAVE_M: each tile's row reference into mref_base (row-major, n_k tiles a row). SR: P
+    SAVE_M: each tile's row reference into mref_base (row-major, n_k tiles a row). SMOOTH_Q:
+    the scores add the query tile's mean scores (ms_base, one fp32 per key, log2 units). SR: P
     rounds stochastically with the words of its stream (key sr_k0, sr_k1) at each element's
     (batch, query head, query, key) position. TRACE: each tile's statistics
     (`_trace_p_tile`) to stats_base (N_STATS a key tile) and lost_base (row-major, n_k tiles
@@ -697,6 +702,11 @@ def _fwd_inner(
         else:
             k = tl.load(k_ptrs)
         qk = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if SMOOTH_Q:  # + the tile mean's scores M_i K_j^T, fp32 from the host
+            if MASKED:
+                qk = qk + tl.load(ms_base + offs_n, mask=inside, other=0.0)[None, :]
+            else:
+                qk = qk + tl.load(ms_base + offs_n)[None, :]
         if MASKED:
             keep = inside[None, :] & rows[:, None]
             if CAUSAL:
@@ -818,7 +828,7 @@ def _fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, VP, Out, OutP, LSE, MRef, Stats, Lost, OutStats, QF, KF, VF, qk_scale,
+    Q, K, V, VP, Out, OutP, LSE, MRef, MS, Stats, Lost, OutStats, QF, KF, VF, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_pb, stride_ph, stride_pn, stride_pd,
     stride_ob, stride_oh, stride_om,
@@ -835,7 +845,7 @@ def _attn_fwd(
     # the row reference: 0 the running (or lazy) maximum, 1 fp4-fa4's anchor, 2 zero
     REF: tl.constexpr, FIXED: tl.constexpr, ANCHOR_KEYS: tl.constexpr, LEAK: tl.constexpr,
     LSE_LOG2: tl.constexpr, PRIME: tl.constexpr, SAVE_M: tl.constexpr,
-    SR: tl.constexpr, SR_BITS: tl.constexpr,
+    SR: tl.constexpr, SR_BITS: tl.constexpr, SMOOTH_Q: tl.constexpr,
     # instrumentation: per-tile statistics (`FORWARD_STATS`, `OUT_STATS`), off by default
     TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, UNDER: tl.constexpr = 0.0,
     OVER: tl.constexpr = 0.0,
@@ -843,8 +853,10 @@ def _attn_fwd(
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
     units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
     (laid out as Out); with SAVE_M each key tile's row reference into MRef (B, H, Sq, n tiles);
-    with SR, P rounds stochastically by its stream's key words (`sr_key_table`: int32 pairs,
-    one per sr_batch consecutive batch elements, which count their batch from 0).
+    with SMOOTH_Q the scores add smooth_q's mean scores MS (B, H, n_q, Sk: fp32, log2 units,
+    each query tile's mean against every key); with SR, P rounds stochastically by its
+    stream's key words (`sr_key_table`: int32 pairs, one per sr_batch consecutive batch
+    elements, which count their batch from 0).
 
     Its key tiles split in two ranges, in the recipe's order: the first n_free tiles hold only
     visible keys of full query rows (no masks), the rest (the diagonal band when causal, a
@@ -872,12 +884,15 @@ def _attn_fwd(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     vp_base = VP + b * stride_pb + hk * stride_ph
+    ms_base = MS + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * Sk
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     if REF == 1:  # each row's largest score over its first ANCHOR_KEYS keys, plus the margin
         offs_a = tl.arange(0, BLOCK_N)
         first = (offs_a < ANCHOR_KEYS) & (offs_a < Sk)
         a_ptrs = k_base + offs_a[None, :] * stride_kn + offs_d[:, None] * stride_kd
         qk = tl.dot(q, tl.load(a_ptrs, mask=first[None, :], other=0.0)) * qk_scale
+        if SMOOTH_Q:
+            qk = qk + tl.load(ms_base + offs_a, mask=first, other=0.0)[None, :]
         keep = first[None, :] & rows[:, None]
         if CAUSAL:
             keep = keep & (offs_a[None, :] <= offs_m[:, None])
@@ -916,19 +931,19 @@ def _attn_fwd(
     else:
         first1, count1, first2, count2 = 0, n_free, n_free, n_tiles - n_free
     acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
-        acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, n_k,
-        offs_m, rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd,
+        acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base,
+        n_k, offs_m, rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd,
         stride_pn, stride_pd, first1, count1, stats_base, lost_base, sr_k0, sr_k1, sr_b, h,
-        REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
+        REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER,
     )
     acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
-        acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, n_k,
-        offs_m, rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd,
+        acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base,
+        n_k, offs_m, rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd,
         stride_pn, stride_pd, first2, count2, stats_base, lost_base, sr_k0, sr_k1, sr_b, h,
-        not REVERSE, SAVE_M, LEAK, REVERSE, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
+        not REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
         CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER,
@@ -1067,6 +1082,7 @@ def attention_forward(
     lse_log2: bool = False,
     o_prime: torch.Tensor | None = None,
     m_ref: torch.Tensor | None = None,
+    mean_scores: torch.Tensor | None = None,
     sr_key=None,
     trace: TraceBuffers | None = None,
     out_dtype: torch.dtype | None = None,
@@ -1085,7 +1101,10 @@ def attention_forward(
     shaped and laid out as the output, filled with Attn-QAT's O' = (P V^) / rowsum(P) of the
     unquantized P (`DeltaSource.UNQUANTIZED_P_OUTPUT`), or None. `m_ref`: a contiguous fp32
     (B, H, Sq, cdiv(Sk, block_n)) tensor filled with the row reference each key tile's P took
-    (log2 units; tiles a row does not visit are left as they were), or None. `sr_key`: the
+    (log2 units; tiles a row does not visit are left as they were), or None. `mean_scores`:
+    smooth_q's correction, a contiguous fp32 (B, H, cdiv(Sq, block_m), Sk) tensor holding
+    scale log2(e) M_i . k_j of each query tile's mean M_i and every key (`q` then holds the
+    quantized Q - M), added to the tile's scores; or None. `sr_key`: the
     64-bit key of P's random stream (`fp4lab.formats.streams.stream_key`), required when
     `pq` rounds stochastically: element (b, h, query, key) of P takes the stream's word at
     that position, as the simulation draws it; or a sequence of n keys, one per consecutive
@@ -1125,6 +1144,14 @@ def attention_forward(
             f"{tuple(o_prime.shape)} with strides {o_prime.stride()}"
         )
     n_q = triton.cdiv(Sq, block_m)
+    if mean_scores is not None and (
+        mean_scores.shape != (B, H, n_q, Sk) or mean_scores.dtype != torch.float32
+        or not mean_scores.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(
+            f"mean_scores must be a contiguous float32 {(B, H, n_q, Sk)} tensor, got "
+            f"{mean_scores.dtype} {tuple(mean_scores.shape)}"
+        )
     if trace is not None and (
         trace.stats.shape != (B, H, n_q, n_k, len(FORWARD_STATS))
         or trace.lost.shape != (B, H, Sq, n_k) or trace.out.shape != (B, H, n_q, len(OUT_STATS))
@@ -1142,7 +1169,8 @@ def attention_forward(
     # fmt: off
     _attn_fwd[grid](
         q, k, v, v_plain, o, o if o_prime is None else o_prime, lse,
-        lse if m_ref is None else m_ref, *(spare,) * 3 if trace is None else
+        lse if m_ref is None else m_ref, lse if mean_scores is None else mean_scores,
+        *(spare,) * 3 if trace is None else
         (trace.stats, trace.lost, trace.out), qf, kf, vf, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), *v_plain.stride(),
@@ -1157,7 +1185,8 @@ def attention_forward(
         RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
         LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
         ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=o_prime is not None,
-        SAVE_M=m_ref is not None, SR=pq.SR, SR_BITS=pq.SR_BITS, **instrument,
+        SAVE_M=m_ref is not None, SR=pq.SR, SR_BITS=pq.SR_BITS,
+        SMOOTH_Q=mean_scores is not None, **instrument,
         num_warps=num_warps,
         num_stages=num_stages,
         enable_fp_fusion=FP_FUSION,

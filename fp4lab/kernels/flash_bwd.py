@@ -13,14 +13,17 @@ kernels, tile by tile, along the blocks' axis of the product that consumes them.
 The algorithm per (query tile i, key tile j), in log2 units (z = scale log2(e) S):
 
     P = exp2(z - lse log2(e))                 rebuilt from the forward's log-sum-exp, S from
-                                              Q^, K^ (backward_p=quantized_qk) or Q, K
+                                              Q^, K^ (backward_p=quantized_qk; with smooth_q
+                                              plus the forward's M K^T) or Q, K
     P^ = q_dv_p(lift P) / lift                along the queries (straight-through: the
                                               forward's P quantizer, along the keys)
     dV_j += P^^T dO^_i                        dO^: dv_do
     dP = dO^_i V^_j^T                         dp_do, dp_v (V, or the forward's V^)
     dS = (P or P^) * (dP - D_i)               recipe.ds_p; D from recipe.delta
     dQ_i += scale q_dq_ds(dS) K^_j            dS along the keys, K^: dq_k
-    dK_j += scale q_dk_ds(dS)^T Q^_i          dS along the queries, Q^: dk_q
+    dK_j += scale q_dk_ds(dS)^T Q^_i          dS along the queries, Q^: dk_q (the forward's
+                                              Q^ with smooth_q: (Q - M)^ + M, the M part as
+                                              rowsum(dS^T) M_i^T in fp32)
 
 Why two kernels and not atomics. FlashAttention-2's own kernel accumulates dQ with fp32
 atomic adds from the dK/dV programs; the Triton tutorial instead gives dQ its own pass (a
@@ -199,6 +202,8 @@ class BackwardOperands:
     o: torch.Tensor  # the output D = rowsum(dO * O) is taken with (O, or Attn-QAT's O')
     do_delta: tuple  # the dO D is taken with (dO, or dp_do's)
     lse: torch.Tensor  # the forward's log-sum-exp, (B, H, Sq) fp32, in log2 units
+    mean_scores: torch.Tensor | None = None  # smooth_q's M K^T added to S, (B, H, n_q, Sk) fp32
+    q_dk_mean: torch.Tensor | None = None  # smooth_q's means M that dK's Q^ adds, (B, H, n_q, D)
 
 
 # -- device functions --------------------------------------------------------------------------
@@ -361,11 +366,11 @@ def _bwd_preprocess(Out, DO, DOF, Delta, Sq, V_DIM: tl.constexpr, BLOCK_M: tl.co
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, q_base, qd_base, dov_base, dop_base, lse_base, delta_base, mref_base, n_k,
-    key_tile, offs_n, cols, qk_scale, f_dov, f_dp, f_q, Sq, first, count,
-    sr_dv0, sr_dv1, sr_dk0, sr_dk1, batch, head, dvs_base, dks_base,
+    key_tile, offs_n, cols, qk_scale, f_dov, f_dp, f_q, Sq, Sk, first, count,
+    sr_dv0, sr_dv1, sr_dk0, sr_dk1, batch, head, dvs_base, dks_base, ms_base, qm_base,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
-    REPLAY: tl.constexpr, LEAK: tl.constexpr,
+    REPLAY: tl.constexpr, LEAK: tl.constexpr, SMOOTH_Q: tl.constexpr, MEAN_DK: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -392,7 +397,10 @@ def _dkdv_inner(
     exp2(m_j - lse). DV_SR, DK_SR: P for dV and dS for dK round stochastically by the words of
     their streams (keys sr_dv*, sr_dk*) at each element's (batch, query head `head`, query,
     key) position. TRACE: each tile's `BACKWARD_STATS` of P (dV's) and dS (dK's) to dvs_base
-    and dks_base (n_k key tiles a query tile, N_STATS each)."""
+    and dks_base (n_k key tiles a query tile, N_STATS each). SMOOTH_Q: the scores add
+    smooth_q's mean scores (ms_base: Sk fp32 a query tile, log2 units); MEAN_DK: dK's Q^ is
+    Q^ + M with M the query tile's mean (qm_base: HEAD_DIM fp32 a query tile), so dK adds
+    the tile's rowsum(dS^T) M^T."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -411,6 +419,9 @@ def _dkdv_inner(
             lse = tl.load(lse_base + offs_m)
         # -- rebuild P^T from the forward's lse --
         st = tl.dot(k, qt) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        if SMOOTH_Q:  # + the query tile mean's scores M_i K_j^T, one per key
+            ms = tl.load(ms_base + (first + t) * Sk + offs_n, mask=cols, other=0.0)
+            st = st + ms[:, None]
         zt = st - lse[None, :]
         if REPLAY:  # the row reference the forward's P of this tile took
             if MASKED:
@@ -492,6 +503,9 @@ def _dkdv_inner(
         else:
             qd = tl.load(qd_ptrs)
         dk += _dot(ds_k, qd, DK_SPLIT) * (f_k * f_q)
+        if MEAN_DK:  # dS^T (Q^ + M): M is one row for the whole query tile
+            m_row = tl.load(qm_base + (first + t) * HEAD_DIM + offs_d)  # (HEAD_DIM,)
+            dk += (tl.sum(ds_k, 1) * f_k)[:, None] * m_row[None, :]
         if TRACE:
             _trace_tile(
                 dst, ds_k * f_k, dst, dst, dks_base + (first + t) * n_k * N_STATS, BLOCK_N,
@@ -505,9 +519,10 @@ def _dkdv_inner(
 @triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, QD, DOV, DOP, LSE, DELTA, MRef, DK, DV, QF, KF, DOVF, DOPF, VF, QDF, qk_scale,
-    scale, H, G, Sq, Sk, SRKeys, sr_batch, DVStats, DKStats,
+    scale, H, G, Sq, Sk, SRKeys, sr_batch, DVStats, DKStats, MS, QM,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr, REPLAY: tl.constexpr, LEAK: tl.constexpr,
+    SMOOTH_Q: tl.constexpr, MEAN_DK: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -533,7 +548,8 @@ def _attn_bwd_dkdv(
     Its query tiles split in three ranges: the causal band (queries before some of its keys)
     and every tile when the key tile is partial, masked; the whole tiles past the band,
     unmasked; a partial last query tile, masked. REPLAY: see `_dkdv_inner` (MRef: the row
-    references, (B, H, Sq, n key tiles))."""
+    references, (B, H, Sq, n key tiles)); SMOOTH_Q, MEAN_DK too (MS: smooth_q's mean scores
+    (B, H, n_q, Sk), QM: its tile means (B, H, n_q, HEAD_DIM))."""
     start_n = tl.program_id(0)
     bhk = tl.program_id(1)
     Hk = H // G
@@ -587,10 +603,12 @@ def _attn_bwd_dkdv(
                 first, count = c, tl.maximum(n_q - c, 0)
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, qd_base, dov_base, dop_base, LSE + q_row0, DELTA + q_row0,
-                MRef + q_row0 * n_k, n_k, start_n, offs_n, cols, s_h, f_dov, f_dp, f_q, Sq,
+                MRef + q_row0 * n_k, n_k, start_n, offs_n, cols, s_h, f_dov, f_dp, f_q, Sq, Sk,
                 first, count, sr_dv0, sr_dv1, sr_dk0, sr_dk1, sr_b, hk * G + g,
-                DVStats + stats_at, DKStats + stats_at,
+                DVStats + stats_at, DKStats + stats_at, MS + bh.to(tl.int64) * n_q * Sk,
+                QM + bh.to(tl.int64) * n_q * HEAD_DIM,
                 r != 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV, REPLAY, LEAK,
+                SMOOTH_Q, MEAN_DK,
                 DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
                 DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
                 DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SPLIT, DV_SR, DV_SR_BITS,
@@ -610,9 +628,10 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_inner(
     dq, q, do_p, lse2, delta, k_base, v_base, kd_base, offs_m, rows, qk_scale, f_dp, Sk,
-    first, count, sr_dv0, sr_dv1, sr_dq0, sr_dq1, batch, head, dqs_base,
+    first, count, sr_dv0, sr_dv1, sr_dq0, sr_dq1, batch, head, dqs_base, ms_base,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -632,7 +651,8 @@ def _dq_inner(
     """`count` key tiles of one query tile from key tile `first`, tiles held (queries, keys);
     MASKED as in `_dkdv_inner`; DV_SR (P^ for dS = P^ (dP - D)), DQ_SR: stochastic rounding by
     the words of their streams (keys sr_dv*, sr_dq*), as in the dK/dV kernel. TRACE: each
-    tile's `BACKWARD_STATS` of dS (dQ's) to dqs_base (N_STATS a key tile)."""
+    tile's `BACKWARD_STATS` of dS (dQ's) to dqs_base (N_STATS a key tile). SMOOTH_Q: the
+    scores add smooth_q's mean scores of this query tile (ms_base, one fp32 per key)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -647,7 +667,13 @@ def _dq_inner(
         else:
             kt = tl.load(kt_ptrs)
         # -- rebuild P from the forward's lse --
-        z = tl.dot(q, kt) * qk_scale - lse2[:, None]  # (BLOCK_M, BLOCK_N)
+        z = tl.dot(q, kt) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if SMOOTH_Q:  # + the query tile mean's scores M_i K_j^T, one per key
+            if MASKED:
+                z = z + tl.load(ms_base + offs_n, mask=cols, other=0.0)[None, :]
+            else:
+                z = z + tl.load(ms_base + offs_n)[None, :]
+        z = z - lse2[:, None]
         if MASKED:
             keep = cols[None, :] & rows[:, None]
             if CAUSAL:
@@ -699,9 +725,9 @@ def _dq_inner(
 @triton.jit
 def _attn_bwd_dq(
     Q, K, V, KD, DOP, LSE, DELTA, DQ, QF, KF, DOPF, VF, KDF, qk_scale, scale, H, G, Sq, Sk,
-    SRKeys, sr_batch, DQStats,
+    SRKeys, sr_batch, DQStats, MS,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr, SMOOTH_Q: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -722,7 +748,8 @@ def _attn_bwd_dq(
 ):
     """dQ of one query tile of one (batch, head), over the key tiles it sees: first the whole
     tiles of visible keys (unmasked, as the forward splits them), then the rest (masked).
-    TRACE: DQStats (B H, n_q, n_k, N_STATS) takes each tile's statistics of dS in dQ."""
+    TRACE: DQStats (B H, n_q, n_k, N_STATS) takes each tile's statistics of dS in dQ.
+    SMOOTH_Q: the scores add smooth_q's mean scores MS (B, H, n_q, Sk)."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -763,7 +790,8 @@ def _attn_bwd_dq(
             dq, q, do_p, lse2, delta, K + k_row0 * HEAD_DIM, V + k_row0 * V_DIM,
             KD + k_row0 * HEAD_DIM, offs_m, rows, s_scale, f_dp, Sk, first, count,
             sr_dv0, sr_dv1, sr_dq0, sr_dq1, sr_b, h, dqs_base,
-            r == 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV,
+            MS + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * Sk,
+            r == 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV, SMOOTH_Q,
             DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
             DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
             DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SR, DV_SR_BITS,
@@ -809,12 +837,21 @@ def attention_backward(
     the replay and the straight-through backward's P, as the simulation draws them); each a
     sequence of n keys for n samples stacked along the batch (`flash.sr_key_table`). `trace`:
     the buffers an instrumented backward (TRACE) fills (`trace_buffers`), or None: the
-    kernels compiled without instrumentation, the very ones of an uninstrumented call."""
+    kernels compiled without instrumentation, the very ones of an uninstrumented call.
+    smooth_q's `ops.mean_scores` and `ops.q_dk_mean`, where given, are taken per query tile
+    of `block_m`, the forward's."""
     q, qf = ops.q
     k, kf = ops.k
     B, H, Sq, D = q.shape
     Hk, Sk, Dv = k.shape[1], k.shape[2], ops.v_dp[0].shape[-1]
     check_tiles(block_m, block_n, dv_p=dv_p, dq_ds=dq_ds, dk_ds=dk_ds)
+    n_q = triton.cdiv(Sq, block_m)
+    for name, want in (("mean_scores", (B, H, n_q, Sk)), ("q_dk_mean", (B, H, n_q, D))):
+        x = getattr(ops, name)
+        if x is not None and (x.shape != want or x.dtype != torch.float32
+                              or not x.is_contiguous()):  # fmt: skip
+            raise ValueError(f"{name} must be a contiguous float32 {want} tensor, got "
+                             f"{x.dtype} {tuple(x.shape)}")  # fmt: skip
     sr_table = sr_key_table(
         tuple(sr_keys), tuple(tq.pq.SR for tq in (dv_p, dq_ds, dk_ds)),
         ("sr_keys[0] (dv_p)", "sr_keys[1] (dq_ds)", "sr_keys[2] (dk_ds)"), B, q.device,
@@ -834,6 +871,8 @@ def attention_backward(
         enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     spare = lse  # a pointer for the buffers an uninstrumented kernel never touches
+    shift = spare if ops.mean_scores is None else ops.mean_scores
+    smooth = dict(SMOOTH_Q=ops.mean_scores is not None)
     dkdv_trace, dq_trace = {}, {}
     if trace is not None:  # without it the kernels are compiled with TRACE's defaults
         on = dict(TRACE=True, N_STATS=len(BACKWARD_STATS))
@@ -854,8 +893,10 @@ def attention_backward(
         _attn_bwd_dkdv, (triton.cdiv(Sk, block_n), B * Hk),
         (q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv, f32(qf),
          f32(kf), f32(f_dov), f32(f_dop), f32(f_v), f32(f_qd), scale * LOG2E, scale, H, H // Hk,
-         Sq, Sk, *sr_table, stats["dv"], stats["dk"]),
-        dict(REPLAY=m_ref is not None, LEAK=leakage_block, **common, **dv_constants,
+         Sq, Sk, *sr_table, stats["dv"], stats["dk"], shift,
+         spare if ops.q_dk_mean is None else ops.q_dk_mean),
+        dict(REPLAY=m_ref is not None, LEAK=leakage_block, MEAN_DK=ops.q_dk_mean is not None,
+             **smooth, **common, **dv_constants,
              **dk_ds.constants("DK", keys_last=False), **dkdv_trace),
     )  # fmt: skip
     # -- dQ --
@@ -864,8 +905,8 @@ def attention_backward(
     _launch(
         _attn_bwd_dq, (triton.cdiv(Sq, block_m), B * H),
         (q, k, v, kd, do_p, lse, delta, dq, f32(qf), f32(kf), f32(f_dop), f32(f_v), f32(f_kd),
-         scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table, stats["dq"]),
-        dict(**common, **dv_p.constants("DV", keys_last=True),
+         scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table, stats["dq"], shift),
+        dict(**smooth, **common, **dv_p.constants("DV", keys_last=True),
              **dq_ds.constants("DQ", keys_last=True), **dq_trace),
     )  # fmt: skip
     return dq, dk, dv

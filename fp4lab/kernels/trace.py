@@ -24,7 +24,8 @@ Where each column comes from.
 - The whole-tensor operands' columns (Q, K, V in qk and pv; dO, V, K, Q in dv, dp, dq, dk):
   on the host, from the unquantized operands and `fp4lab.formats`' quantizer (which the
   kernels' fused quantizer equals bit for bit) with `fp4lab.recipes.tile_stats`, the
-  simulation's own functions: one pass over each operand.
+  simulation's own functions: one pass over each operand. With smooth_q, Q's are those of
+  Q - M, the operand quantized, as the simulation's.
 - ``out_err``, ``lse_err``: on the host, against exact attention computed by the same forward
   kernel on the unquantized inputs (a second forward launch). Its P V multiplies P in 16 bits
   (two bf16 halves) on a GPU, so O_ref carries a relative ~1e-5 (the simulation's float32
@@ -32,7 +33,10 @@ Where each column comes from.
 - ``prod_err`` of qk and dp, whose operands are whole tensors: on the host as the simulation
   computes it, from the tiles' float64 Gram matrices (`fp4lab.recipes.tile_stats.gram_errors`,
   O(S E^2) work) where a tile has nothing masked, and from both products in float32 over the
-  allowed entries of the masked tiles (the causal band, ragged last tiles).
+  allowed entries of the masked tiles (the causal band, ragged last tiles). With smooth_q,
+  S^ = (Q - M)^ K^^T + M K^T is one product of operands side by side, [(Q - M)^, M] times
+  [K^, K], against [Q - M, M] times [K, K] = Q K^T up to Q - M's fp32 rounding (the
+  simulation compares with Q K^T in float32 on every tile: the same number to ~1e-7).
 - Not written, NaN in the frame and listed in each call's ``meta["not_computed"]``
   (`NOT_COMPUTED`): ``prod_err`` of pv, dv, dq, dk (an in-register operand's product error
   needs the same product on the unquantized operand beside the kernel's, more matmuls per
@@ -94,12 +98,17 @@ def check_trace(trace) -> None:
         )
 
 
-def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exact, cfg: dict):
+def record_forward(
+    trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exact, cfg: dict, smoothed=None
+):
     """Add one call to `trace`: `inputs` the unquantized (q, k, v) the kernel's operands were
     quantized from (k smoothed), `bufs` the kernel's `TraceBuffers`, `out` its (O, lse): O
     (B, H, Sq, Dv) in fp32, lse in log2 units; `exact` exact attention's (O, lse) (fp32,
     natural units), `cfg` the call's causal, scale, block_m, block_n and P quantizer mode
-    (`mode`)."""
+    (`mode`); `smoothed`: smooth_q's (Q - M, M), (B, H, Sq, D) and (B, H, n_q, D) fp32
+    (`fp4lab.kernels.backend.smooth_q`), or None. With smooth_q, Q's columns are those of
+    Q - M against its quantized form (the operand the kernel multiplies), as the
+    simulation's, and qk's error is that of S^ = (Q - M)^ K^^T + M K^T against Q K^T."""
     from fp4lab.kernels.flash import FORWARD_STATS
 
     (o, lse2), (q, k, v) = out, inputs
@@ -120,15 +129,25 @@ def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exa
     like = st["nonzero"]  # (B, Hkv, G, nQ, nK)
     q_tiles = lambda x: _tiles(heads_of(x, B, Hk, G), bm)  # noqa: E731
     k_tiles = lambda x: _tiles(x, bn)  # noqa: E731
-    q_hat, k_hat = _quantized(q, recipe, "q", G), _quantized(k, recipe, "k", 1)
-    qs = whole_stats(q.float(), q_hat, q_tiles)
+    q_src = q.float() if smoothed is None else smoothed[0]
+    q_hat, k_hat = _quantized(q_src, recipe, "q", G), _quantized(k, recipe, "k", 1)
+    qs = whole_stats(q_src, q_hat, q_tiles)
     ks = whole_stats(k.float(), k_hat, k_tiles)
     vs = whole_stats(v.float(), _quantized(v, recipe, "v", 1), k_tiles)
     q_cols = {n: c[..., None].expand_as(like) for n, c in qs.items()}  # (B, Hkv, G, nQ, 1)
     k_cols = {n: c[:, :, None, None].expand_as(like) for n, c in ks.items()}
     v_cols = {n: c[:, :, None, None].expand_as(like) for n, c in vs.items()}
     visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
-    qk_err = _product_errors((q, q_hat.values), (k, k_hat.values), cfg["scale"], cfg, G)
+    if smoothed is None:
+        qk_err = _product_errors((q, q_hat.values), (k, k_hat.values), cfg["scale"], cfg, G)
+    else:  # [Q - M, M] [K^, K]^T = S^, and [Q - M, M] [K, K]^T = Q K^T up to fp32 rounding
+        mean = _mean_rows(smoothed[1], bm, Sq)
+        kf = k.float()
+        side = lambda a, b: torch.cat((a, b), dim=-1)  # noqa: E731
+        qk_err = _product_errors(
+            (side(q_src, mean), side(q_hat.values, mean)), (side(kf, kf), side(k_hat.values, kf)),
+            cfg["scale"], cfg, G,
+        )  # fmt: skip
     qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_err": qk_err,
           "prod_nan": st["qk_nan"]}  # fmt: skip
     rec.add(Product.QK, 0, 0, qk, visible)
@@ -146,12 +165,20 @@ def record_forward(trace: Trace, recipe: AttentionRecipe, inputs, bufs, out, exa
 
 
 def record_backward(
-    rec: TraceCall, recipe: AttentionRecipe, inputs, bufs: dict, lse2, modes: dict, cfg: dict
+    rec: TraceCall,
+    recipe: AttentionRecipe,
+    inputs,
+    bufs: dict,
+    lse2,
+    modes: dict,
+    cfg: dict,
+    smoothed=None,
 ) -> None:
     """Add the backward's rows to the forward's record `rec`: `inputs` the unquantized
     (q, k, v, do) (k smoothed), `bufs` the backward kernels' `trace_buffers`, lse2 the
     forward's log-sum-exp (log2 units), `modes` the MODE of the quantizers of P in dV and of
-    dS in dQ and dK, `cfg` causal, block_m, block_n."""
+    dS in dQ and dK, `cfg` causal, block_m, block_n; `smoothed` smooth_q's (Q - M, M) as
+    `record_forward` takes them, or None."""
     from fp4lab.kernels.flash_bwd import BACKWARD_STATS
 
     B, Hk, G, nQ, nK = rec.dims
@@ -159,7 +186,7 @@ def record_backward(
     heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
     visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
     rows = _tiles(torch.isfinite(lse2)[..., None].double(), bm).sum((-2, -1))
-    whole = _backward_operands(recipe, inputs, G, bm, bn)
+    whole = _backward_operands(recipe, inputs, G, bm, bn, smoothed)
     like = heads(bufs["dv"][..., 0])
     side = lambda name: {  # noqa: E731  an operand's tile columns, broadcast to (..., nQ, nK)
         n: (c[..., None] if name in ("do_dv", "do_dp", "q_dk") else c[:, :, None, None])
@@ -179,11 +206,14 @@ def record_backward(
                                "prod_err": dp_err}, visible)  # fmt: skip
 
 
-def _backward_operands(recipe: AttentionRecipe, inputs, G: int, bm: int, bn: int) -> dict:
+def _backward_operands(
+    recipe: AttentionRecipe, inputs, G: int, bm: int, bn: int, smoothed=None
+) -> dict:
     """The operand columns (`whole_stats`) of the backward's whole-tensor operands, each the
     unquantized tensor against its quantized form as the recipe's backward takes it: dO for
     dV and dP, V for dP (or the forward's V^), K for dQ, Q for dK; the forward's Q^, K^, V^
-    in a straight-through backward."""
+    in a straight-through backward, with smooth_q's Q^ the forward's (Q - M)^ + M against Q
+    (its counts Q's own quantization's, as the simulation's `_forward_counts` takes them)."""
     q, k, v, do = inputs
     B, H = q.shape[:2]
     q_tiles = lambda x: _tiles(heads_of(x, B, H // G, G), bm)  # noqa: E731
@@ -201,10 +231,20 @@ def _backward_operands(recipe: AttentionRecipe, inputs, G: int, bm: int, bn: int
     for name, (x, field, groups) in sources.items():
         tiler = q_tiles if groups == G and name != "k_dq" and name != "v_dp" else k_tiles
         quant = _quantized(x, recipe, field, groups)
+        if name == "q_dk" and smoothed is not None and recipe.backward is not BackwardMode.FLASH:
+            q_src, q_mean = smoothed
+            quant.values = _quantized(q_src, recipe, "q", G).values + _mean_rows(
+                q_mean, bm, q.shape[2]
+            )
         out[name] = whole_stats(plain[name].float(), quant, tiler)
         if name in ("do_dp", "v_dp"):  # dP's operands, for its prod_err
             out[name]["operands"] = (plain[name], quant.values)
     return out
+
+
+def _mean_rows(q_mean: torch.Tensor, bm: int, Sq: int) -> torch.Tensor:
+    """smooth_q's tile means (B, H, n_q, D) repeated for each row of their tile: (B, H, Sq, D)."""
+    return q_mean.repeat_interleave(bm, dim=2)[:, :, :Sq]
 
 
 def _product_errors(a: tuple, b: tuple, scale: float, cfg: dict, G: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ FP8_PV_BUDGET = 2e-3  # FP8 tensor cores' reduced-precision accumulation (GPU on
 RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_alpha_ceil", "nvfp4_ue5m3",
     "fa4fp4_causal", "fa3_fp8", "attn_qat", "fa4fp4_causal_mxfp8pv", "fp8_per_tensor",
-    "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64", "flash_bf16",
+    "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64", "flash_bf16", "sageattn3",
 ]  # fmt: skip
 
 
@@ -136,10 +136,81 @@ def test_padded_query_rows_do_not_move_a_tile_scale():
     assert rel(got, want) <= BUDGET
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sageattn3_smooth_q_is_the_simulation(d, causal):
+    # smooth_q: the kernel multiplies the quantized Q - M (M each query tile's mean, the
+    # padding rows of the last, partial tile counting as zeros) by K^ and adds M K^T from the
+    # host in fp32, where the simulation adds it in its working precision (fp32): the same
+    # budget as every recipe's. GQA (2 query heads a KV head), 80 queries and 72 keys in
+    # tiles of 32, and Q offset per channel, as SageAttention's Q is, so that M matters.
+    q, k, v = inputs(1, 4, 2, 80, 72, d, seed=d + causal)
+    q = (q.float() + 2.0 * torch.randn(d, generator=torch.Generator().manual_seed(d)).to(q.device))
+    q = q.to(torch.bfloat16)
+    tiles = dict(block_m=32, block_n=32)
+    got = fp4lab.attention(q, k, v, "sageattn3", causal=causal, backend="triton", **tiles)
+    want = reference_attention(q, k, v, "sageattn3", causal=causal, **tiles)
+    exact = reference_attention(q.double(), k.double(), v.double(), causal=causal, **tiles)
+    diff, own = rel(got, want), rel(want, exact)
+    assert diff <= BUDGET, f"kernel vs simulation {diff:.2e} (recipe's error {own:.2e})"
+
+
+def test_smooth_q_corrects_with_the_unquantized_k():
+    # the mean's scores must be M K^T with the unquantized (smoothed) K, as the simulation and
+    # SageAttention3's delta_s take it: on Q offset per channel, M K^T is most of S, so the
+    # kernel run with M K^^T (K's quantized values) or without the correction lands far
+    # outside the budget, and the backend's own call within it
+    from fp4lab.kernels import backend
+
+    recipe, d, scale = resolve_recipe("sageattn3"), 64, 64**-0.5
+    q, k, v = inputs(1, 2, 1, 64, 64, d, seed=21)
+    q = (q.float() + 3.0 * torch.randn(d, generator=torch.Generator().manual_seed(22)).to(q.device))
+    q = q.to(torch.bfloat16)
+    tiles = dict(block_m=32, block_n=32)
+    want = reference_attention(q, k, v, recipe, **tiles)
+    assert rel(fp4lab.attention(q, k, v, recipe, backend="triton", **tiles), want) <= BUDGET
+    ks = backend.smooth_k(k, recipe)
+    q_src, q_mean = backend.smooth_q(q, recipe, 32)
+    qs, k_store, vs, factors = backend.quantize_operands(q_src, ks, v, recipe)
+    k_hat = k_store.float() * factors[1][..., None, None]  # K^ as the scores' operand holds it
+    run = dict(pq=backend.p_quantizer(recipe), causal=False, scale=scale, **tiles,
+               **backend.forward_options(recipe, False, v))  # fmt: skip
+
+    def kernel(shift):
+        out = flash.attention_forward(qs, k_store, vs, factors, mean_scores=shift, **run)[0]
+        return out.to(q.dtype)  # as the backend returns it
+
+    assert rel(kernel(backend.mean_scores(q_mean, ks, scale)), want) <= BUDGET
+    for wrong, shift in (("K^", backend.mean_scores(q_mean, k_hat, scale)), ("none", None)):
+        assert rel(kernel(shift), want) > 10 * BUDGET, f"the correction from {wrong} passes"
+
+
+@pytest.mark.parametrize("recipe", ["fa4fp4_causal_mxfp4pv", "nvfp4"])
+def test_smooth_q_on_other_recipes(recipe):
+    # smooth_q is a recipe field of its own: with fp4-fa4's anchor row reference (read from
+    # key tile 0's scores, the mean's among them) and Direct-P, and with NVFP4 P's per-tile
+    # tensor scale
+    changed = dataclasses.replace(resolve_recipe(recipe), name=f"{recipe}_smooth_q", smooth_q=True)
+    q, k, v = inputs(1, 2, 1, 80, 72, 32, seed=3)
+    q = (q.float() + 2.0 * torch.randn(32, generator=torch.Generator().manual_seed(1)).to(q.device))
+    q = q.to(torch.bfloat16)
+    tiles = dict(block_m=32, block_n=32, causal=True)
+    got = fp4lab.attention(q, k, v, changed, backend="triton", **tiles)
+    assert rel(got, reference_attention(q, k, v, changed, **tiles)) <= BUDGET
+
+
+def test_smooth_q_needs_a_q_format_the_kernel_reads_exactly():
+    # Q - M is fp32: unquantized (or cast to fp16) it would be rounded to bf16 in the kernel
+    q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)
+    for fmt in (None, "fp16"):
+        recipe = dataclasses.replace(resolve_recipe("sageattn3"), name="t", q=fmt)
+        with pytest.raises(NotImplementedError, match="smooth_q with q="):
+            fp4lab.attention(q, k, v, recipe, backend="triton")
+
+
 @pytest.mark.parametrize(
-    "recipe, what",
-    [("sageattn3", "smooth_q"), ("sageattn3_paper", "row_scaled"), ("fa4fp4_directp", "affine")],
-)  # fmt: skip
+    "recipe, what", [("sageattn3_paper", "row_scaled"), ("fa4fp4_directp", "affine")]
+)
 def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, what):
     q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)
     with pytest.raises(NotImplementedError, match=what):

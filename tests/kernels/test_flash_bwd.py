@@ -141,6 +141,39 @@ def test_k_smoothing_takes_its_jacobian_outside_the_kernels():
     assert_close(gradients(q, k, v, do, recipe, **tiles), want, BUDGET, "smooth_k")
 
 
+# smooth_q's backwards: sageattn3's own (S rebuilt from the unquantized Q, K: the split does
+# not enter, the Function's dQ is dS K), S rebuilt from the forward's (Q - M)^, K^ plus M K^T
+# (backward_p=quantized_qk, in both kernels), dK on the forward's (Q - M)^ + M (straight
+# through: rowsum(dS^T) M^T added per query tile), and the exact gradient of the forward (its
+# P^ replayed from those scores). Q is offset per channel, so that M K^T is most of S and a
+# backward that dropped it, or dK's M, would move every gradient far past the budget.
+SMOOTH_Q = {
+    "sageattn3": {},
+    "quantized_qk": dict(backward_p="quantized_qk"),
+    "straight_through": dict(backward="straight_through", backward_p="quantized_qk"),
+    "forward_exact": None,
+}
+
+
+@pytest.mark.parametrize("variant", SMOOTH_Q)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_smooth_q_gradients_are_the_simulations(variant, causal):
+    sageattn3 = resolve_recipe("sageattn3")
+    fields = SMOOTH_Q[variant]
+    recipe = sageattn3.with_exact_backward() if fields is None else _variant("sageattn3", **fields)
+    q, k, v, do = inputs(1, 4, 2, 80, 72, 64, seed=zlib.crc32(variant.encode()) % 1000 + causal)
+    offset = 2.0 * torch.randn(64, generator=torch.Generator().manual_seed(23)).to(q.device)
+    q = (q.float() + offset).to(torch.bfloat16)
+    tiles = dict(block_m=32, block_n=32, causal=causal)
+    got = gradients(q, k, v, do, recipe, **tiles)
+    want = gradients(q, k, v, do, recipe, "reference", **tiles)
+    exact = lambda: gradients(*(x.double() for x in (q, k, v, do)), "exact", "reference", **tiles)  # noqa: E731
+    assert_close(got, want, BUDGET, recipe.name, exact)
+    if variant != "sageattn3":  # not sageattn3's backward: the comparison tells them apart
+        own = gradients(q, k, v, do, sageattn3, "reference", **tiles)
+        assert max(rel(got[g], own[g]) for g in GRADS) > 2 * BUDGET
+
+
 # Each mechanism changed alone on a recipe whose backward uses it: the kernel follows the
 # simulation of the changed recipe, and the simulation of the original recipe lies beyond
 # twice the budget from it, so a kernel that ignored the change would fail the comparison.
@@ -330,7 +363,8 @@ gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 
 @gpu
 @pytest.mark.parametrize("recipe", ["exact", "nvfp4", "fa3_fp8", "fa4fp4_causal", "attn_qat",
-                                    "fa4fp4_causal_mxfp4pv", "flash_bf16"])  # fmt: skip
+                                    "fa4fp4_causal_mxfp4pv", "flash_bf16",
+                                    "sageattn3"])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_full_size_gradients_on_the_gpu(recipe, causal):
     # head_dim 128, the recipes' own tiles (128 x 128 for fp4-fa4), fresh random inputs

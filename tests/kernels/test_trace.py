@@ -176,6 +176,24 @@ def test_key_order_and_lazy_rescaling(change):
     compare(ref, tri, trace.calls[0].meta)
 
 
+@pytest.mark.parametrize("backward", ["flash", "straight_through"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_smooth_q(backward, causal):
+    # SageAttention3's split of Q: Q's columns are those of Q - M against its quantized form,
+    # qk's prod_err that of (Q - M)^ K^^T + M K^T against Q K^T, and a straight-through dK
+    # takes (Q - M)^ + M; on Q offset per channel, where Q and Q - M differ the most
+    recipe = dataclasses.replace(
+        resolve_recipe("sageattn3"), name="sageattn3_variant", backward=backward,
+        backward_p="quantized_qk" if backward == "straight_through" else "unquantized_qk",
+    )  # fmt: skip
+    q, k, v = inputs(1, 4, 2, 80, 72, 64, seed=5)
+    q = (q.float() + 2.0 * torch.randn(64, generator=torch.Generator().manual_seed(2)).to(q.device))
+    q = q.to(torch.bfloat16)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q)
+    ref, tri, trace = traces(q, k, v, recipe, do=do, causal=causal, block_m=32, block_n=32)
+    compare(ref, tri, trace.calls[0].meta)
+
+
 def test_p_statistics_are_not_trivially_zero():
     # the comparison means something only where P loses something: nvfp4 flushes and clips
     q, k, v = inputs(1, 2, 2, 96, 96, 32, seed=3)
