@@ -19,7 +19,8 @@ had them, gradient clipping, and both routes' forwards with the exact gradient o
 in place of the FP8 backward.
 
 The divergence rule, fixed before any run and computed by the code (`_pv_divergence.report`):
-a run diverges at its first non-finite training loss, or at the first step where the mean,
+a run diverges at its first non-finite training loss or gradient norm (the norm added after
+the first full run, where it moved no run), or at the first step where the mean,
 over the last `divergence_window` steps, of its training loss minus the bf16 run's loss on
 the same batch (same seed, same task) has exceeded `divergence_margin` for
 `divergence_patience` consecutive steps. These are the published 1.2B runs' own drift gate
@@ -195,8 +196,10 @@ class PVDivergenceConfig:
 # mechanisms mxfp4-pv-mechanisms names for training (denominator, anchor, leakage), the
 # published runs' E4M3 projections, both routes' forwards with an exact backward (at small
 # sizes the v509 backward's fixed-scale E5M2(4 dO) flushes most of dO), and both routes with
-# QK-norm (the first full run's logits grew to 8-160x bf16's; a fixed row reference
-# overflows P then). The committed results/pv-divergence-full ran the first thirteen arms.
+# QK-norm (in the first full run the arms that kept training under the v509 backward grew
+# logits 8-160x bf16's, and a fixed row reference overflows P once log2 P passes about
+# 117.5: bounded logits test both). The committed results/pv-divergence-full ran the first
+# thirteen arms.
 _VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_no_rowcorr",
              "mxfp4pv_running_max", "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv", "fp8pv_exact_bwd",
              "mxfp4pv_exact_bwd", "mxfp4pv_qknorm", "fp8pv_qknorm")

@@ -125,8 +125,8 @@ class SelfAttention(nn.Module):
         b, t, c = x.shape
         h, d = self.config.n_head, self.config.head_dim
         q, k, v = self.qkv(x).view(b, t, 3, h, d).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:  # in v's dtype (autocast may run the norm in float32)
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         q, k = rotary(q, self.config.rope_base), rotary(k, self.config.rope_base)
         y = attend(q, k, v, call, self.layer)  # (B, H, T, D)
         if capture is not None:

@@ -39,7 +39,7 @@ from fp4lab.recipes import EXACT, RowReference
 from .gpt import GPT, AttentionCall, Capture, attend
 
 __all__ = ["validation_loss", "captured_step", "traced_step", "autopsy", "leakage",
-           "TRACE_COLUMNS"]
+           "p_overflow_log2", "TRACE_COLUMNS"]
 
 # (product, trace column) -> the probe's name for it
 TRACE_COLUMNS = {
@@ -150,17 +150,55 @@ def _trace_row(frame) -> dict:
     return row
 
 
+_OVERFLOW_CACHE: dict = {}
+
+
+def p_overflow_log2(recipe, head_dim: int = 64) -> float:
+    """The smallest log2 P, against a fixed row reference, at which the recipe's own output
+    turns non-finite, measured on the reference path (bisection to 1/32) on one row (query
+    100 of 128) whose scores are 0 but for one key (key 40: past the anchor's first 32 keys,
+    off the leakage fix's diagonal blocks), V all 0.5 (inf: none up to 256). It is the
+    recipe's own point, below float32's 128 by what its arithmetic adds on top of P (block
+    values before their 1/M_e, sums): 117.5 for fa4fp4_causal_mxfp4pv and 125.5 for its D64
+    form, as measured."""
+    key = (recipe.name, head_dim)
+    if key not in _OVERFLOW_CACHE:
+        margin = (recipe.anchor_margin / math.sqrt(head_dim)
+                  if recipe.row_reference is RowReference.ANCHOR else 0.0)
+
+        def finite(z: float) -> bool:
+            q, k = torch.zeros(2, 1, 1, 128, head_dim)
+            v = torch.full((1, 1, 128, head_dim), 0.5)
+            q[0, 0, 100, 0] = 8.0
+            k[0, 0, 40, 0] = (z / math.log2(math.e) + margin) * math.sqrt(head_dim) / 8.0
+            out = fp4lab.attention(q, k, v, recipe, causal=True, block_m=64, block_n=64)
+            return bool(out[0, 0, 100].isfinite().all())
+
+        lo, hi = 0.0, 256.0
+        if finite(hi):
+            _OVERFLOW_CACHE[key] = math.inf
+        else:
+            while hi - lo > 1 / 32:
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if finite(mid) else (lo, mid)
+            _OVERFLOW_CACHE[key] = hi
+    return _OVERFLOW_CACHE[key]
+
+
 @torch.no_grad()
 def autopsy(model: GPT, x, y, call: AttentionCall, autocast) -> list[dict]:
     """Where a non-finite loss of (x, y) on the model's weights comes from: one forward with
     `call`, a row per layer (see the module). `origin` marks the first layer whose attention
     output is not finite while its inputs are; `reproduced` whether this forward's loss is
-    non-finite again; `reference_nonfinite` is the same recipe on
-    the reference path (on the same q, k, v: the recipe's arithmetic, whatever the kernel),
-    `exact_nonfinite` exact attention's (counts of non-finite output elements);
+    non-finite again; `reference_nonfinite` counts the non-finite output elements of the
+    same recipe recomputed on the reference path on the layer's q, k, v (the recipe's
+    arithmetic, whatever kernel ran), `exact_nonfinite` those of exact attention;
     `rows_p_overflow` counts the rows whose log2 P peak against the recipe's fixed row
-    reference reaches 128, where P overflows float32 (`nonfinite_rows_p_overflow`: of the
-    rows whose output is not finite; -1 where not computed: a lazy maximum, or non-finite
+    reference (the anchor, or 0) reaches the recipe's overflow point `p_overflow_log2`
+    (recorded as `p_overflow_log2`), computed from the unquantized q, k
+    (the recipe scores its quantized Q, K, which moves a row's peak by up to a few log2
+    units), `nonfinite_rows_p_overflow` those among the rows whose output is not finite; -1
+    where not computed (a running or lazy maximum, which cannot overflow so, or non-finite
     inputs)."""
     model.capture = Capture()
     with autocast():
@@ -177,13 +215,14 @@ def autopsy(model: GPT, x, y, call: AttentionCall, autocast) -> list[dict]:
                "o_nonfinite": int((~o.isfinite()).sum()), "o_rows_nonfinite": int(bad.sum()),
                **_scores(q.float(), k.float(), call.recipe)}
         row |= (_peaks_of_rows(q.float(), k.float(), call.recipe, bad) if inputs_finite
-                else {"p_log2_peak_nonfinite_rows": float("nan"), "rows_p_overflow": -1,
+                else {"p_log2_peak_nonfinite_rows": float("nan"),
+                      "p_overflow_log2": float("nan"), "rows_p_overflow": -1,
                       "nonfinite_rows_p_overflow": -1})
         origin = inputs_finite and row["o_nonfinite"] > 0 and not found
         found = found or origin
         row["origin"] = origin
-        row["reference_nonfinite"] = _nonfinite_output(q, k, v, call, layer) if (
-            call.recipe is not None and call.backend != "reference") else row["o_nonfinite"]
+        row["reference_nonfinite"] = (_nonfinite_output(q, k, v, call, layer) if inputs_finite
+                                      and call.recipe is not None else row["o_nonfinite"])
         row["exact_nonfinite"] = (_nonfinite_output(q, k, v, exact, layer) if inputs_finite
                                   else row["o_nonfinite"])
         rows.append(row)
@@ -197,19 +236,22 @@ def _nonfinite_output(q, k, v, call: AttentionCall, layer: int) -> int:
 
 def _peaks_of_rows(q, k, recipe, rows: torch.Tensor) -> dict:
     """log2 P's peak (against the recipe's fixed row reference) over the (B, H, T) rows
-    marked (NaN where none is), and the rows whose peak reaches fp32's 2^128, overall and
-    among those marked (-1 where the reference is a lazy maximum)."""
+    marked (NaN where none is), the recipe's overflow point (`p_overflow_log2`) and the rows
+    whose peak reaches it, overall and among those marked (-1 without a fixed reference)."""
+    fixed = recipe is not None and recipe.row_reference in (RowReference.ANCHOR,
+                                                           RowReference.ZERO)
+    if not fixed:
+        return {"p_log2_peak_nonfinite_rows": float("nan"), "p_overflow_log2": float("nan"),
+                "rows_p_overflow": -1, "nonfinite_rows_p_overflow": -1}
     t, d = q.shape[-2], q.shape[-1]
     s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
     s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1),
                       float("-inf"))
     peaks = _row_log2_peaks(s, recipe, d)
-    if peaks is None:
-        return {"p_log2_peak_nonfinite_rows": float("nan"), "rows_p_overflow": -1,
-                "nonfinite_rows_p_overflow": -1}
-    over = peaks >= 128
+    point = p_overflow_log2(recipe, d)
+    over = peaks >= point
     return {"p_log2_peak_nonfinite_rows": float(peaks[rows].amax()) if bool(rows.any())
-            else float("nan"), "rows_p_overflow": int(over.sum()),
+            else float("nan"), "p_overflow_log2": point, "rows_p_overflow": int(over.sum()),
             "nonfinite_rows_p_overflow": int((over & rows).sum())}
 
 

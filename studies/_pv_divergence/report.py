@@ -60,14 +60,18 @@ def _first_sustained(above: pd.Series, patience: int):
 
 def divergence_table(config, metrics: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     """One row per run: its divergence step under the rule, the first step its rolling gap
-    passed `split_margin`, its first non-finite loss, and its final numbers."""
+    passed `split_margin`, its first non-finite loss or gradient norm, and its final
+    numbers."""
     rows = []
     tokens_per_step = config.batch * config.seq_len
     for (task, seed), group in metrics.groupby(["task", "seed"], sort=False):
         reference = group[group["arm"] == REFERENCE_ARM]
         for arm, run in group.groupby("arm", sort=False):
             gap = rolling_gap(config, run, reference)
-            nonfinite = run.loc[~np.isfinite(run["loss"]), "step"]
+            finite = np.isfinite(run["loss"])
+            if "grad_norm" in run:
+                finite &= np.isfinite(run["grad_norm"])
+            nonfinite = run.loc[~finite, "step"]
             first_bad = int(nonfinite.iloc[0]) if len(nonfinite) else None
             sustained = _first_sustained(gap > config.divergence_margin,
                                          config.divergence_patience)
@@ -162,6 +166,9 @@ def _drift_verdict(cause, diverged: tuple[int, int], base: tuple[int, int], delt
                    se) -> tuple:
     noise = "one seed: no noise estimate" if math.isnan(se) else f"+- {number(2 * se, 2)}"
     gap_text = f"final val. loss {number(delta, 3)} nats vs {cause.baseline} ({noise})"
+    if math.isnan(delta):
+        gap_text = (f"no final val. loss gap vs {cause.baseline} (no seed where both have a "
+                    "finite one)")
     worse = not math.isnan(delta) and not math.isnan(se) and delta > 2 * se
     better = not math.isnan(delta) and not math.isnan(se) and delta < -2 * se
     if cause.kind == "cause":
@@ -175,7 +182,9 @@ def _drift_verdict(cause, diverged: tuple[int, int], base: tuple[int, int], delt
     if diverged[0] < base[0]:
         return f"diverged in {diverged[0]}/{diverged[1]} seeds where {cause.baseline} did " \
                f"in {base[0]}/{base[1]}; {gap_text}", "none" if better else gap_text
-    return "none", f"diverged as often as {cause.baseline}; {gap_text}"
+    how = "as often as" if diverged[0] == base[0] else "more often than"
+    return "none", (f"diverged {how} {cause.baseline} ({diverged[0]}/{diverged[1]} vs "
+                    f"{base[0]}/{base[1]}); {gap_text}")
 
 
 def causes_table(table: pd.DataFrame) -> pd.DataFrame:
@@ -295,7 +304,9 @@ def _setup(config, runs: pd.DataFrame) -> str:
 def _rule(config) -> str:
     return (
         "## The divergence rule\n\nFixed before the runs: a run diverges at its first "
-        "non-finite training loss, or at the first step where the mean over the last "
+        "non-finite training loss or gradient norm (the gradient norm added after the first "
+        "full run, where it moved no run: each run's first non-finite gradient norm came "
+        "with its first non-finite loss), or at the first step where the mean over the last "
         f"{config.divergence_window} steps of its loss minus the {REFERENCE_ARM} run's loss "
         f"on the same batch has been above {config.divergence_margin:g} nats for "
         f"{config.divergence_patience} consecutive steps. The full preset takes the window, "
@@ -516,10 +527,12 @@ def _inside(table: pd.DataFrame, probes: pd.DataFrame, evals: pd.DataFrame,
 
 
 AUTOPSY_COLUMNS = {
-    "task": "task", "seed": "seed", "arm": "arm", "step": "step", "reproduced": "reproduced",
+    "task": "task", "seed": "seed", "arm": "arm", "step": "step", "world": "world",
+    "reproduced": "reproduced",
     "origin_layer": "first layer", "inputs_finite": "inputs finite",
-    "o_rows_nonfinite": "rows non-finite", "nonfinite_rows_p_overflow": "of them P >= 2^128",
-    "rows_p_overflow": "rows P >= 2^128", "p_log2_peak_nonfinite_rows": "log2 P peak there",
+    "o_rows_nonfinite": "rows non-finite", "p_overflow_log2": "overflow point",
+    "nonfinite_rows_p_overflow": "of them past it", "rows_p_overflow": "rows past it",
+    "p_log2_peak_nonfinite_rows": "log2 P peak there",
     "max_logit": "max logit", "reference_nonfinite": "reference non-finite",
     "exact_nonfinite": "exact non-finite",
 }
@@ -555,8 +568,9 @@ def _autopsy_summary(autopsy: pd.DataFrame | None) -> list[str]:
         some = int((over["nonfinite_rows_p_overflow"] > 0).sum())
         line += (f"; there the reference path gave a non-finite output too in {ref} and exact "
                  f"attention in {exact}; log2 P against the recipe's fixed row reference "
-                 f"reached 128 (P beyond float32) in some of the non-finite rows in {some} of "
-                 f"{len(over)} runs with a fixed reference, in all of them in {whole}")
+                 f"reached the recipe's overflow point (where its own output turns non-finite) "
+                 f"in some of the non-finite rows in {some} of {len(over)} runs with a fixed "
+                 f"reference, in all of them in {whole}")
     return [line + "."]
 
 
@@ -569,16 +583,22 @@ def _autopsy(autopsy: pd.DataFrame | None, table: pd.DataFrame) -> str:
                            "table (written before the runs recorded one).\n\n")
         return head + "No run had a non-finite loss.\n\n"
     return head + (
-        "Each run's step whose training loss was not finite, examined on rank 0 with the same "
-        "global batch, the same weights (the optimizer skipped the step) and the same "
-        "stochastic-rounding draws: whether that forward repeated the non-finite loss; the "
-        "first layer whose attention output was not finite while its q, k, v were (-1: none); "
-        "that layer's rows (batch, head, query) with a non-finite output and how many of "
-        "them, and of all its rows, have log2 P >= 128 against the recipe's fixed row "
-        "reference (the anchor, or 0; -1 for a lazy maximum), computed from the unquantized "
-        "q, k (the recipe scores its quantized Q, K, so rows near 128 can fall either side); "
-        "the largest logit; and the non-finite output elements of the same recipe on the "
-        "reference path and of exact attention on the same q, k, v.\n\n"
+        "Each run's first step whose training loss or gradient norm was not finite, examined "
+        "on rank 0 with the same global batch, the same weights (the optimizer skipped the "
+        "step) and, in one process, the same stochastic-rounding draws (under several ranks "
+        "the draws and whole-tensor scales of the ranks' shares differ; column world): "
+        "whether that forward repeated the non-finite loss (not where only the gradient "
+        "was); the first layer whose attention output was not finite while its q, k, v were "
+        "(-1: none); that layer's rows (batch, head, query) with a non-finite output and how "
+        "many of them, and of all its rows, have log2 P against the recipe's fixed row "
+        "reference (the anchor, or 0; -1 for a running or lazy maximum) at or past the "
+        "recipe's overflow point (the log2 P at which its own output turns non-finite, "
+        "measured on the reference path on one dominant key: 117.5 for the D128 anchor "
+        "route, 125.5 for the D64 one), computed from the "
+        "unquantized q, k (the recipe scores its quantized Q, K, which moves a row's peak by "
+        "up to a few log2 units); the largest logit; and the non-finite output elements of "
+        "the same recipe recomputed on the reference path and of exact attention on the "
+        "same q, k, v.\n\n"
         + markdown_table(autopsy_table(autopsy), AUTOPSY_COLUMNS) + "\n")
 
 

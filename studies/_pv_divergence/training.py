@@ -17,12 +17,12 @@ gives the same losses as one process up to the rounding of the all-reduce. A rec
 scale over a whole tensor (``nvfp4pv``'s V, the E4M3 QKV projections) couples the sequences
 of a batch, so its numbers depend on how the batch is split.
 
-The run stops early, marked diverged, at the first non-finite training loss (an optimizer
-step on NaN gradients would only carry NaN on). Its last step always checkpoints. Before
-that, rank 0 examines the step (`probes.autopsy`: the same global batch's forward on the same
-weights, a row per layer in the ``autopsy`` table): which layer's attention output first
-turns non-finite, the logits and log2 P's peak there, and whether the reference path and
-exact attention give a finite output on the same q, k, v.
+The run stops early, marked diverged, at the first non-finite training loss or gradient
+norm (an optimizer step on NaN gradients would only carry NaN on; that step takes none). Its
+last step always checkpoints. Before that, rank 0 examines the step (`probes.autopsy`: the
+same global batch's forward on the same weights, a row per layer in the ``autopsy`` table):
+which layer's attention output first turns non-finite, the logits and log2 P's peak there,
+and whether the reference path and exact attention give a finite output on the same q, k, v.
 
 Saved activations. With `activations_rows` > 0, rank 0 ends the run with one forward and
 backward of the first `activations_rows` sequences of the first validation batch with the
@@ -289,8 +289,8 @@ class Run:
         if self.arm.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.arm.grad_clip)
         value = self.ranks.sum(float(loss.detach()))
-        if math.isfinite(value):
-            self.optimizer.step()
+        if math.isfinite(value) and math.isfinite(norms["grad_norm"]):
+            self.optimizer.step()  # never on non-finite gradients (they would only carry on)
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)  # the step's kernels, not their launch
@@ -336,7 +336,7 @@ class Run:
         model.load_state_dict(self.model.state_dict())
         x, y = self.batch("train", step)
         for row in probes.autopsy(model, x, y, self.call(step), self.autocast):
-            self.rows["autopsy"].append({"step": step, **row})
+            self.rows["autopsy"].append({"step": step, "world": self.ranks.world, **row})
 
     def save_activations(self, folder: Path, stem: str) -> list[dict]:
         """(rank 0) Each layer's q, k, v, dO from one forward and backward with the training
@@ -407,7 +407,7 @@ def train(spec: RunSpec, device: str, backend: str, rank: int = 0, world: int = 
         row = run.train_step()
         run.rows["metrics"].append(row)
         run.step += 1
-        if not math.isfinite(row["loss"]):
+        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
             run.nonfinite_step = row["step"]
             run.examine(row["step"])
         elif run.step % spec.eval_every == 0 or run.step == spec.steps:

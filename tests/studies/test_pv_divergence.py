@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
+import fp4lab
 from fp4lab.analysis import load_inputs
 from fp4lab.studies import load_study, run_study
 
@@ -448,7 +449,51 @@ def test_autopsy_finds_where_p_overflows_its_fixed_row_reference():
     steady = probes.autopsy(model, x, y, gpt.AttentionCall(arms["mxfp4pv_running_max"].recipe),
                             contextlib.nullcontext)
     assert not any(r["reproduced"] or r["origin"] or r["o_nonfinite"] for r in steady)
-    assert all(r["rows_p_overflow"] == 0 for r in steady)
+    assert all(r["rows_p_overflow"] == -1 for r in steady)  # no fixed reference to pass
+
+
+def test_the_overflow_point_is_where_the_recipes_own_output_turns_non_finite():
+    """Measured on the reference path: a dominant key just below the point leaves the row
+    finite, just past it not; a running maximum never overflows."""
+    probes, arms = PARTS["probes"], PARTS["arms"].ARMS
+    points = {a: probes.p_overflow_log2(arms[a].recipe) for a in ("mxfp4pv", "mxfp4pv_d64")}
+    assert 100 < points["mxfp4pv"] < 128 and 100 < points["mxfp4pv_d64"] < 128
+    recipe = arms["mxfp4pv_d64"].recipe  # row reference 0: log2 P is the score times log2 e
+    for z, finite in ((points["mxfp4pv_d64"] - 0.1, True), (points["mxfp4pv_d64"], False)):
+        q, k = torch.zeros(2, 1, 1, 128, 64)
+        q[0, 0, 100, 0], k[0, 0, 40, 0] = 8.0, z / math.log2(math.e)
+        out = fp4lab.attention(q, k, torch.full_like(q, 0.5), recipe, causal=True,
+                               block_m=64, block_n=64)
+        assert bool(out[0, 0, 100].isfinite().all()) is finite
+    assert math.isinf(probes.p_overflow_log2(arms["exact"].recipe))
+
+
+def test_causes_count_non_finite_losses_apart_from_drift():
+    """A fix that removes the non-finite losses but still drifts has that as evidence for it;
+    one that diverges more than its baseline says so; no shared finite final loss, no gap."""
+    report, causes = PARTS["report"], PARTS["arms"].CAUSES
+    rows = []
+    for seed in (0, 1):
+        rows += [
+            {"task": "text", "seed": seed, "arm": "mxfp4pv", "diverged": True,
+             "nonfinite_step": 70.0, "val_gap": float("nan")},
+            {"task": "text", "seed": seed, "arm": "mxfp4pv_running_max", "diverged": True,
+             "nonfinite_step": None, "val_gap": 0.6},
+            {"task": "text", "seed": seed, "arm": "fp8pv", "diverged": seed == 0,
+             "nonfinite_step": None, "val_gap": 0.2},
+            {"task": "text", "seed": seed, "arm": "fp8pv_exact_bwd", "diverged": True,
+             "nonfinite_step": None, "val_gap": 0.5},
+        ]
+    table = report.causes_table(pd.DataFrame(rows)).set_index("arm")
+    assert {c.arm for c in causes} >= set(table.index)
+    fix = table.loc["mxfp4pv_running_max"]
+    assert fix["evidence_for"] == "non-finite loss in 0/2 seeds, mxfp4pv in 2/2"
+    assert fix["evidence_against"].startswith("diverged as often as mxfp4pv (2/2 vs 2/2); no "
+                                              "final val. loss gap vs mxfp4pv")
+    assert (fix["arm_nonfinite"], fix["baseline_nonfinite"]) == (0, 2)
+    worse = table.loc["fp8pv_exact_bwd"]
+    assert worse["evidence_for"] == "none"
+    assert worse["evidence_against"].startswith("diverged more often than fp8pv (2/2 vs 1/2)")
 
 
 def test_a_run_that_goes_non_finite_records_its_autopsy_in_the_table_and_report(tmp_path):
