@@ -90,8 +90,6 @@ def check_recipe(recipe: AttentionRecipe) -> None:
     missing = []
     if recipe.p_quant is PQuant.ROW_SCALED:
         missing.append(f"p_quant={recipe.p_quant.value}")
-    if recipe.p_quant is PQuant.DIRECT and recipe.direct_p_affine is not None:
-        missing.append("Direct-P's affine code map (direct_p_affine)")
     if recipe.tensor_scope is TensorScope.TILE:
         missing.append("tensor_scope=tile")
     if recipe.incoherent_processing:
@@ -365,7 +363,8 @@ def p_quantizer(recipe: AttentionRecipe):
     from fp4lab.kernels.flash import PQuantizer
 
     if recipe.p_quant is PQuant.DIRECT:
-        return PQuantizer.direct(recipe.p, recipe.p_min_exponent)
+        return PQuantizer.direct(recipe.p, recipe.p_min_exponent, recipe.direct_p_affine,
+                                 recipe.direct_p_affine_groups)
     return PQuantizer.of(recipe.p, recipe.p_lift)
 
 

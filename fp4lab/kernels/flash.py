@@ -61,10 +61,13 @@ helper of their own (`_trace_p_tile`), which recounts what the quantizer saw (`_
 rather than changing it; `fp4lab.kernels.trace` turns them into the `Trace`. Without it the
 branch is eliminated at compile time: the hot loop is the uninstrumented kernel's.
 
+Direct-P's affine code map (fa4fp4_directp: E2M1(max(0, A x + B)) on the blocks its group
+mask selects) rides in Direct-P's otherwise unused SCALE slot (`PQuantizer.direct`,
+`_direct_values`), so no kernel signature grew for it.
+
 What is not here yet (asking for it raises, never falls back): two-level P, Direct-P's
-affine code map and stochastic codes, P blocked along the queries, MS-EDEN's stochastic
-scales, sr_bits above 32 (the words have 32 bits), a trace of a stochastic recipe, and
-attn_mask.
+stochastic codes, P blocked along the queries, MS-EDEN's stochastic scales, sr_bits above
+32 (the words have 32 bits), a trace of a stochastic recipe, and attn_mask.
 """
 
 from __future__ import annotations
@@ -207,18 +210,27 @@ class PQuantizer:
         )  # fmt: skip
 
     @classmethod
-    def direct(cls, spec, p_min_exponent: int | None) -> PQuantizer:
+    def direct(cls, spec, p_min_exponent: int | None, affine=None,
+               affine_groups: int | None = None) -> PQuantizer:
         """Direct-P with the alpha-grid block format `spec` (fp4-fa4's
         ``hao_direct_transform_pack_mxfp4_quarter_log2``, `fp4lab.analysis.p_quant`):
-        SCALE_POW2 is e_B's range, its floor raised to `p_min_exponent`."""
+        SCALE_POW2 is e_B's range, its floor raised to `p_min_exponent`. Direct-P has no
+        scale grid, so its SCALE slot carries the affine code map (the recipe's
+        `direct_p_affine` (A, B) on the blocks `affine_groups` selects, bit g the g-th block
+        of each key tile, None all): (1, A, B, the group mask; -1 all), (0, 0, 0, 0) without
+        one (`_direct_values`)."""
         check_direct_p(spec)
         lo = math.floor(math.log2(spec.scale.min_subnormal))
         if p_min_exponent is not None:
             lo = max(lo, p_min_exponent)
         hi = math.floor(math.log2(spec.scale.max))
+        scale = (0.0, 0.0, 0.0, 0)
+        if affine is not None:
+            a, b = affine
+            scale = (1.0, float(a), float(b), -1 if affine_groups is None else int(affine_groups))
         return cls(
-            MODE=3, ELEM=_grid(spec.element), SCALE_POW2=(lo, hi), BLOCK=spec.block[0],
-            RULE=_RULES[spec.scale_rule], EMAX_E=spec.element.emax,
+            MODE=3, ELEM=_grid(spec.element), SCALE=scale, SCALE_POW2=(lo, hi),
+            BLOCK=spec.block[0], RULE=_RULES[spec.scale_rule], EMAX_E=spec.element.emax,
         )  # fmt: skip
 
 
@@ -520,15 +532,41 @@ def _direct_p(
     E_UNIT: tl.constexpr,
     E_MAX: tl.constexpr,
     LOG2_ME: tl.constexpr,
+    AFF: tl.constexpr = 0.0,
+    AFF_A: tl.constexpr = 0.0,
+    AFF_B: tl.constexpr = 0.0,
+    AFF_MASK: tl.constexpr = 0,
 ):
     """Direct-P's values of a tile of z = log2 P: per block of QBLOCK keys, e_B from the
     block's largest z by the alpha rule (in the log domain, as `fp4lab.analysis.p_quant`),
-    clamped to [E_LO, E_HI]; codes E2M1(2^(z - e_B + log2 M_e)); values codes 2^e_B (exact in
-    bf16), whose products the caller multiplies by 1 / M_e."""
+    clamped to [E_LO, E_HI]; codes E2M1(2^(z - e_B + log2 M_e)) (or of the affine map,
+    `_direct_values`); values codes 2^e_B (exact in bf16), whose products the caller
+    multiplies by 1 / M_e."""
     zb = tl.reshape(z, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
     e = _direct_exponent(tl.max(zb, axis=2), RULE, E_LO, E_HI)
-    codes = _round(tl.exp2(zb - e[:, :, None] + LOG2_ME), EQ_LO, EQ_HI, E_UNIT, E_MAX)
+    u = _direct_values(zb, e, BLOCK_N // QBLOCK, LOG2_ME, AFF, AFF_A, AFF_B, AFF_MASK)
+    codes = _round(u, EQ_LO, EQ_HI, E_UNIT, E_MAX)
     return tl.reshape(codes * _pow2(e.to(tl.int32))[:, :, None], (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _direct_values(zb, e, GROUPS: tl.constexpr, LOG2_ME: tl.constexpr, AFF: tl.constexpr,
+                   AFF_A: tl.constexpr, AFF_B: tl.constexpr, AFF_MASK: tl.constexpr):
+    """Direct-P's values before E2M1 rounding, of blocks zb (rows, GROUPS, keys) of z with
+    exponents e: 2^x with x = z - e_B + log2 M_e, or, with the affine map (AFF, on the
+    blocks whose bit of AFF_MASK is set, -1 all), max(0, AFF_A x + AFF_B), a product and a
+    sum each rounded (fused multiply-adds are off) as the reference computes them."""
+    x = zb - e[:, :, None] + LOG2_ME
+    u = tl.exp2(x)
+    if AFF != 0.0:
+        affine = tl.maximum(x * AFF_A + AFF_B, 0.0)
+        if AFF_MASK == -1:
+            u = affine
+        else:
+            g = tl.arange(0, GROUPS)
+            chosen = ((AFF_MASK >> g) & 1) == 1
+            u = tl.where(chosen[None, :, None], affine, u)
+    return u
 
 
 @triton.jit
@@ -571,11 +609,11 @@ def _p_counts(
         clipped = zero
     elif MODE == 1 or MODE == 5:
         clipped = tl.sum(tl.sum((p * LIFT > E_MAX).to(tl.float32), 1), 0)
-    elif MODE == 3:  # Direct-P: codes of 2^(z - e_B + log2 M_e) past M_e; e_B at its floor
+    elif MODE == 3:  # Direct-P: values past M_e (its SCALE slot: the affine map); e_B at its floor
         zb = tl.reshape(z, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
         top = tl.max(zb, axis=2)
         e = _direct_exponent(top, RULE, E_LO, E_HI)
-        u = tl.exp2(zb - e[:, :, None] + LOG2_ME)
+        u = _direct_values(zb, e, BLOCK_N // QBLOCK, LOG2_ME, SQ_LO, SQ_HI, S_UNIT, S_MAX)
         clipped = tl.sum(tl.sum(tl.sum((u > E_MAX).to(tl.float32), 2), 1), 0)
         seen = top > -float("inf")
         blocks = tl.sum(tl.sum(seen.to(tl.float32), 1), 0)
@@ -733,7 +771,7 @@ def _fwd_inner(
         if MODE == 3:  # Direct-P: codes from z itself
             p_hat = _direct_p(
                 z, BLOCK_M, BLOCK_N, QBLOCK, RULE, E_LO, E_HI, EQ_LO, EQ_HI, E_UNIT, E_MAX,
-                LOG2_ME,
+                LOG2_ME, SQ_LO, SQ_HI, S_UNIT, S_MAX,  # Direct-P's SCALE slot: the affine map
             )
             factor = 1.0 / E_MAX
             if not ROW_SUM_Q or (MASKED and LEAK > 0) or PRIME or TRACE:

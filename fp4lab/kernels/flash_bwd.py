@@ -242,10 +242,11 @@ def _quantize_tile(
     if MODE == 3:  # Direct-P: codes from z
         if TRANS:
             values = tl.trans(_direct_p(tl.trans(z), COLS, ROWS, QBLOCK, RULE, E_LO, E_HI, EQ_LO,
-                                        EQ_HI, E_UNIT, E_MAX, LOG2_ME))  # fmt: skip
-        else:
+                                        EQ_HI, E_UNIT, E_MAX, LOG2_ME, SQ_LO, SQ_HI, S_UNIT,
+                                        S_MAX))  # fmt: skip
+        else:  # Direct-P's SCALE slot holds its affine map (`PQuantizer.direct`)
             values = _direct_p(z, ROWS, COLS, QBLOCK, RULE, E_LO, E_HI, EQ_LO, EQ_HI, E_UNIT,
-                               E_MAX, LOG2_ME)  # fmt: skip
+                               E_MAX, LOG2_ME, SQ_LO, SQ_HI, S_UNIT, S_MAX)  # fmt: skip
         factor = 1.0 / E_MAX
     elif MODE == 4:  # one FP32 scale t = amax / M_e per tile, elements x / t
         a = mag * LIFT

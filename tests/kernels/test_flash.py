@@ -44,6 +44,7 @@ RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_alpha_ceil", "nvfp4_ue5m3",
     "fa4fp4_causal", "fa3_fp8", "attn_qat", "fa4fp4_causal_mxfp8pv", "fp8_per_tensor",
     "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64", "flash_bf16", "sageattn3",
+    "fa4fp4_directp",
 ]  # fmt: skip
 
 
@@ -209,7 +210,7 @@ def test_smooth_q_needs_a_q_format_the_kernel_reads_exactly():
 
 
 @pytest.mark.parametrize(
-    "recipe, what", [("sageattn3_paper", "row_scaled"), ("fa4fp4_directp", "affine")]
+    "recipe, what", [("sageattn3_paper", "row_scaled"), ("attn_qat_kernel", "row_scaled")]
 )
 def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, what):
     q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)
@@ -407,3 +408,21 @@ def test_operands_take_the_fused_path_only_where_it_is_the_same(spec, field):
     else:
         assert spec == "nvfp4"  # a tensor scale: the general path, a factor per head
         assert not torch.all(factor == 1)
+
+
+@pytest.mark.parametrize("groups", ["preset", "all"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_direct_p_affine_code_map_is_the_simulations(groups, causal):
+    # fa4fp4_directp's own 128-key tiles, so that its groups mask (bits 1-3 of 4 blocks of 32)
+    # selects blocks; the map must matter here, or the comparison could not fail
+    recipe = resolve_recipe("fa4fp4_directp")
+    if groups == "all":
+        recipe = dataclasses.replace(recipe, direct_p_affine_groups=None)
+    plain = dataclasses.replace(recipe, direct_p_affine=None)
+    q, k, v = inputs(1, 2, 1, 256, 256, 64, seed=31)
+    tiles = dict(block_m=128, block_n=128)
+    got = fp4lab.attention(q, k, v, recipe, causal=causal, backend="triton", **tiles)
+    want = reference_attention(q, k, v, recipe, causal=causal, **tiles)
+    without = reference_attention(q, k, v, plain, causal=causal, **tiles)
+    assert rel(got, want) <= BUDGET
+    assert rel(without, want) > 10 * BUDGET  # the affine blocks move the output

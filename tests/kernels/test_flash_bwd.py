@@ -51,6 +51,7 @@ RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "fp8_per_tensor", "fa3_fp8", "fa4fp4_causal",
     "fa4fp4_causal_mxfp8pv", "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64",
     "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "attn_qat_dropin", "flash_bf16",
+    "fa4fp4_directp",
 ]  # fmt: skip
 GRADS = ("dq", "dk", "dv")
 
@@ -397,3 +398,18 @@ def test_fixed_scale_operands_are_the_reference_codes_and_scale(field):
     want = fp4lab.formats.quantize(x.cpu().float(), spec)
     assert torch.equal(store.cpu().float(), want.element_values().float())
     assert torch.equal(factor.cpu(), torch.full((2, 2), spec.fixed_scale))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_direct_p_affine_replayed_in_the_backward(causal):
+    # forward_exact replays the forward's own P^ (Direct-P with fa4fp4_directp's affine map
+    # on blocks 1-3 of each 128-key tile) in dV: the backward's Direct-P must map them too
+    recipe = resolve_recipe("fa4fp4_directp").with_exact_backward()
+    q, k, v, do = inputs(1, 2, 1, 256, 256, 64, seed=37)
+    tiles = dict(block_m=128, block_n=128, causal=causal)
+    got = gradients(q, k, v, do, recipe, **tiles)
+    want = gradients(q, k, v, do, recipe, "reference", **tiles)
+    assert_close(got, want, BUDGET, recipe.name)
+    plain = dataclasses.replace(recipe, direct_p_affine=None)
+    without = gradients(q, k, v, do, plain, "reference", **tiles)
+    assert rel(without["dv"], want["dv"]) > 10 * BUDGET  # the map moves dV here
