@@ -88,8 +88,6 @@ def check_recipe(recipe: AttentionRecipe) -> None:
     from fp4lab.kernels.flash import check_direct_p, check_p
 
     missing = []
-    if recipe.p_quant is PQuant.ROW_SCALED:
-        missing.append(f"p_quant={recipe.p_quant.value}")
     if recipe.tensor_scope is TensorScope.TILE:
         missing.append("tensor_scope=tile")
     if recipe.incoherent_processing:
@@ -365,6 +363,8 @@ def p_quantizer(recipe: AttentionRecipe):
     if recipe.p_quant is PQuant.DIRECT:
         return PQuantizer.direct(recipe.p, recipe.p_min_exponent, recipe.direct_p_affine,
                                  recipe.direct_p_affine_groups)
+    if recipe.p_quant is PQuant.ROW_SCALED:
+        return PQuantizer.row_scaled(recipe.p, recipe.p_lift)
     return PQuantizer.of(recipe.p, recipe.p_lift)
 
 
@@ -422,6 +422,11 @@ def backward_quantizers(recipe: AttentionRecipe):
     from fp4lab.kernels.flash_bwd import TileQuantizer
 
     if recipe.backward is not BackwardMode.FLASH:  # straight through, or the forward's own P^
+        if recipe.p_quant is PQuant.ROW_SCALED:
+            raise NotImplementedError(
+                f"recipe {recipe.name!r}: the Triton backward does not replay two-level P "
+                "(p_quant=row_scaled) in dV yet; use backend='reference' (no silent fallback)"
+            )
         dv_p = TileQuantizer(p_quantizer(recipe), along_keys=True)
     else:
         dv_p = TileQuantizer.of(

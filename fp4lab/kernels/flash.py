@@ -65,13 +65,21 @@ Direct-P's affine code map (fa4fp4_directp: E2M1(max(0, A x + B)) on the blocks 
 mask selects) rides in Direct-P's otherwise unused SCALE slot (`PQuantizer.direct`,
 `_direct_values`), so no kernel signature grew for it.
 
-What is not here yet (asking for it raises, never falls back): two-level P, Direct-P's
-stochastic codes, P blocked along the queries, MS-EDEN's stochastic scales, sr_bits above
-32 (the words have 32 bits), a trace of a stochastic recipe, and attn_mask.
+Two-level P (SageAttention3's paper, Attn-QAT's kernel; PQuantizer mode 6) scales each
+tile row of P so its maximum maps to M_e M_s (r = M_e M_s / max, the IEEE quotient), quantizes
+r P as mode 2 does and divides the row's products and sum by r, where the reference divides
+each element of q(r P) by r: the same values up to that rounding. Its row maximum lands on
+the clip boundary to the last bit, so its trace's clipped count can differ by one per row.
+
+What is not here yet (asking for it raises, never falls back): two-level P replayed in the
+backward's dV, tensor_scope=tile (Attn-QAT's kernel), Direct-P's stochastic codes, P blocked
+along the queries, MS-EDEN's stochastic scales, sr_bits above 32 (the words have 32 bits), a
+trace of a stochastic recipe, and attn_mask.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -164,7 +172,9 @@ class PQuantizer:
     """P's format as the kernel's compile-time constants (from a recipe's `p` and lift).
 
     MODE: 0 none, 1 an element cast (a `FloatFormat`), 2 block scales along the keys, 3
-    Direct-P (E2M1 codes from the scores, `direct`), 5 a cast to bf16 (rounded on its bits:
+    Direct-P (E2M1 codes from the scores, `direct`), 6 two-level P (`row_scaled`: mode 2
+    on each row scaled so its maximum maps to M_e M_s, the products divided back by the row
+    scale), 5 a cast to bf16 (rounded on its bits:
     its grid reaches below fp32's normal range, where `_round`'s quantum trick does not;
     4 is the backward's per-tile FP32 scale, `fp4lab.kernels.flash_bwd`).
     ELEM: (Q_LO, Q_HI, UNIT, MAXV) of the element format; SCALE: the same of the scale
@@ -208,6 +218,18 @@ class PQuantizer:
             TENSOR=spec.tensor_scale, EMAX_E=spec.element.emax,
             SR=spec.rounding is Rounding.STOCHASTIC, SR_BITS=spec.sr_bits or 0,
         )  # fmt: skip
+
+    @classmethod
+    def row_scaled(cls, spec, lift: float) -> PQuantizer:
+        """Two-level P (`PQuant.ROW_SCALED`, SageAttention3's paper and Attn-QAT's kernel) in
+        the block format `spec`: MODE 6, otherwise `of`'s mode 2."""
+        pq = cls.of(spec, lift)
+        if pq.MODE != 2 or lift != 1.0 or pq.TENSOR:
+            raise NotImplementedError(
+                f"p: two-level P in the Triton kernel takes a 1-D block format without a "
+                f"tensor scale and no lift, got {spec!r} with lift {lift}"
+            )
+        return dataclasses.replace(pq, MODE=6)
 
     @classmethod
     def direct(cls, spec, p_min_exponent: int | None, affine=None,
@@ -570,6 +592,16 @@ def _direct_values(zb, e, GROUPS: tl.constexpr, LOG2_ME: tl.constexpr, AFF: tl.c
 
 
 @triton.jit
+def _row_scales(p, TOP: tl.constexpr):
+    """Two-level P's per-row scales r = TOP / max_j P_ij of a tile (the IEEE quotient, as the
+    reference's float32 division), 1 where a row is all zero (`fp4lab.analysis.p_quant`)."""
+    rowmax = tl.max(p, 1)
+    seen = rowmax > 0.0
+    return tl.where(seen, tl.div_rn(tl.zeros_like(rowmax) + TOP, tl.where(seen, rowmax, 1.0)),
+                    1.0)
+
+
+@triton.jit
 def _direct_exponent(top, RULE: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr):
     """Direct-P's e_B (fp32) of blocks whose largest z = log2 P is `top`, by the alpha rule,
     clamped to [E_LO, E_HI] (a block of -inf, all masked, takes E_LO)."""
@@ -669,7 +701,7 @@ def _store_tile_stats(stats_ptr, x, x_used, clipped, blocks, under, over):
 
 @triton.jit
 def _trace_p_tile(
-    p, p_used, z, qk, pv, m_use, rows, stats_ptr, lost_ptrs,
+    p, p_seen, p_used, z, qk, pv, m_use, rows, stats_ptr, lost_ptrs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     LIFT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
@@ -678,12 +710,13 @@ def _trace_p_tile(
 ):  # fmt: skip
     """Write one (query tile, key tile)'s statistics, `FORWARD_STATS` in that order, to
     stats_ptr, and each row's flushed probability mass as log2(mass) + m (its row reference
-    m_use) to lost_ptrs: P the tile's unquantized probabilities, p_used the P^ its P V
-    consumed (dequantized, the leakage fix's diagonal blocks unquantized), z = log2 P, qk the
-    masked scores, pv the tile's P^ V^."""
+    m_use) to lost_ptrs: P the tile's unquantized probabilities, p_seen what P's quantizer
+    was given (P, or two-level P's row-scaled r P), p_used the P^ its P V consumed
+    (dequantized, the leakage fix's diagonal blocks unquantized), z = log2 P, qk the masked
+    scores, pv the tile's P^ V^."""
     flushed = (p_used == 0.0) & (p != 0.0)
     clipped, blocks, under, over = _p_counts(
-        p, z, BLOCK_M, BLOCK_N, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+        p_seen, z, BLOCK_M, BLOCK_N, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
         QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
     )  # fmt: skip
     _store_tile_stats(stats_ptr, p, p_used, clipped, blocks, under, over)
@@ -781,8 +814,12 @@ def _fwd_inner(
             words = 0
             if SR:  # stochastic rounding's words by position (`fp4lab.formats.streams`)
                 words = tile_words(sr_k0, sr_k1, batch, head, offs_m, start_n, BLOCK_M, BLOCK_N)
+            p_q = p
+            if MODE == 6:  # two-level P: each row scaled so its maximum maps to M_e M_s
+                r = _row_scales(p, E_MAX * S_MAX)
+                p_q = p * r[:, None]
             p_hat, factor = _quantize_p(
-                p, words, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
+                p_q, words, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
                 SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, SR, SR_BITS,
             )
         if MASKED and LEAK > 0:  # the leakage fix: the diagonal blocks' P leaves P^
@@ -792,6 +829,8 @@ def _fwd_inner(
         # -- update l_i and acc --
         if ROW_SUM_Q:
             row = tl.sum(p_hat, 1) * factor
+            if MODE == 6:
+                row = tl.div_rn(row, r)
             if MASKED and LEAK > 0:
                 row = row + tl.sum(p_exact, 1)
         else:
@@ -827,6 +866,8 @@ def _fwd_inner(
             else:
                 pv = tl.dot(p_hat.to(v.dtype), v)
         pv = pv * factor
+        if MODE == 6:  # P^ = q(r P) / r: the rows' products divided by their scales
+            pv = tl.div_rn(pv, r[:, None])
         if MASKED and LEAK > 0:  # P's diagonal blocks times unquantized V, 16 bits of P
             vp_ptrs = vp_base + offs_n[:, None] * stride_pn + offs_dv[None, :] * stride_pd
             vp = tl.load(vp_ptrs, mask=inside[:, None], other=0.0)
@@ -842,10 +883,15 @@ def _fwd_inner(
                 acc_p = acc_p * alpha[:, None] + tl.dot(p_lo, v, tl.dot(p_hi, v))
         if TRACE:  # the statistics of P^ as P V consumed it
             p_used = p_hat * factor
+            p_seen = p
+            if MODE == 6:
+                p_used = tl.div_rn(p_used, r[:, None])
+                p_seen = p_q
             if MASKED and LEAK > 0:
                 p_used = tl.where(diagonal, p, p_used)
             _trace_p_tile(
-                p, p_used, z, qk, pv, m_use, rows, stats_base + (start_n // BLOCK_N) * N_STATS,
+                p, p_seen, p_used, z, qk, pv, m_use, rows,
+                stats_base + (start_n // BLOCK_N) * N_STATS,
                 lost_base + offs_m * n_k + start_n // BLOCK_N, BLOCK_M, BLOCK_N,
                 MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH,
                 TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,

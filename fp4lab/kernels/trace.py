@@ -308,7 +308,7 @@ def _operand_columns(st: dict, mode: int) -> dict:
         "clipped": fraction(st["clipped"], nonzero) if mode else torch.zeros_like(diff),
     }
     for name in ("underflow", "overflow"):
-        scaled = mode in (2, 3, 4)
+        scaled = mode in (2, 3, 4, 6)
         nan = torch.full_like(diff, math.nan)
         cols[f"scale_{name}"] = fraction(st[name], st["blocks"]) if scaled else nan
     return cols

@@ -44,7 +44,7 @@ RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_alpha_ceil", "nvfp4_ue5m3",
     "fa4fp4_causal", "fa3_fp8", "attn_qat", "fa4fp4_causal_mxfp8pv", "fp8_per_tensor",
     "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64", "flash_bf16", "sageattn3",
-    "fa4fp4_directp",
+    "fa4fp4_directp", "sageattn3_paper",
 ]  # fmt: skip
 
 
@@ -210,7 +210,7 @@ def test_smooth_q_needs_a_q_format_the_kernel_reads_exactly():
 
 
 @pytest.mark.parametrize(
-    "recipe, what", [("sageattn3_paper", "row_scaled"), ("attn_qat_kernel", "row_scaled")]
+    "recipe, what", [("attn_qat_kernel", "tensor_scope=tile")]
 )
 def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, what):
     q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)

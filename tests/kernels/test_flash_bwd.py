@@ -51,7 +51,7 @@ RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "fp8_per_tensor", "fa3_fp8", "fa4fp4_causal",
     "fa4fp4_causal_mxfp8pv", "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64",
     "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "attn_qat_dropin", "flash_bf16",
-    "fa4fp4_directp",
+    "fa4fp4_directp", "sageattn3_paper",
 ]  # fmt: skip
 GRADS = ("dq", "dk", "dv")
 
@@ -413,3 +413,10 @@ def test_direct_p_affine_replayed_in_the_backward(causal):
     plain = dataclasses.replace(recipe, direct_p_affine=None)
     without = gradients(q, k, v, do, plain, "reference", **tiles)
     assert rel(without["dv"], want["dv"]) > 10 * BUDGET  # the map moves dV here
+
+
+def test_two_level_p_replayed_in_the_backward_is_refused_by_name():
+    q, k, v, do = inputs(1, 1, 1, 32, 32, 32, seed=5)
+    recipe = resolve_recipe("sageattn3_paper").with_exact_backward()
+    with pytest.raises(NotImplementedError, match="two-level P"):
+        gradients(q, k, v, do, recipe)

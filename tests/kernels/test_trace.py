@@ -58,7 +58,7 @@ ATOL, RTOL = 2e-6, 1e-5
 DS_ATOL, DS_RTOL, DS_ELEMENTS = 1e-4, 2e-2, 32  # dS's columns: see the module docstring
 RECIPES = [
     "exact", "nvfp4", "mxfp4", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv",
-    "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "fa3_fp8", "flash_bf16",
+    "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "fa3_fp8", "flash_bf16", "sageattn3_paper",
 ]  # fmt: skip
 
 
@@ -98,7 +98,7 @@ def visible_pairs(frame, meta) -> pd.Series:
     return frame.apply(lambda row: pairs(row["q_tile"], max(row["k_tile"], 0)), axis=1)
 
 
-def compare(ref, tri, meta, atol=ATOL, rtol=RTOL, count_atol=0.0) -> None:
+def compare(ref, tri, meta, atol=ATOL, rtol=RTOL, count_atol=0.0, clipped_elements=1) -> None:
     """Assert the Triton frame equals the reference's forward rows: the same rows, counts
     within count_atol (exactly by default; ``a_clipped`` one element more, see the module),
     sums within atol + rtol |ref|, NaN where the reference's is; on failure, the first
@@ -116,7 +116,7 @@ def compare(ref, tri, meta, atol=ATOL, rtol=RTOL, count_atol=0.0) -> None:
         is_count = name.endswith("nan") or name[2:] in COUNTS
         tol = count_atol + 0 * a if is_count else atol + rtol * a.abs()
         if name == "a_clipped":
-            tol = tol + one_element[~missing]
+            tol = tol + clipped_elements * one_element[~missing]
         ds = both.loc[~missing, "product"].isin(["dq", "dk"]) & name.startswith("a_")
         if is_count:  # dS's elements near a rounding boundary: a few per tile
             tol = tol + ds * DS_ELEMENTS * one_element[~missing]
@@ -138,7 +138,10 @@ def test_the_kernel_trace_is_the_simulations(recipe, causal):
     q, k, v = inputs(1, 2, 2, 80, 72, 32, seed=zlib.crc32(recipe.encode()) % 1000)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q)
     ref, tri, trace = traces(q, k, v, recipe, do=do, causal=causal, block_m=32, block_n=32)
-    compare(ref, tri, trace.calls[0].meta)
+    # two-level P scales each tile row so its maximum maps to M_e M_s: that element sits on
+    # the clip boundary to the last bit in both paths, so up to one per row may count apart
+    clipped = 32 if resolve_recipe(recipe).p_quant.value == "row_scaled" else 1
+    compare(ref, tri, trace.calls[0].meta, clipped_elements=clipped)
     assert set(tri["product"]) == {"qk", "pv", "dv", "dp", "dq", "dk", "out"}
     assert trace.calls[0].meta["backend"] == "triton"
     assert set(trace.calls[0].meta["not_computed"]) == set(NOT_COMPUTED)
