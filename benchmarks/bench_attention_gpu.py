@@ -100,7 +100,7 @@ def main() -> None:
         "--recipes",
         nargs="+",
         default=["exact", "flash_bf16", "nvfp4", "attn_qat", "mxfp4", "fa4fp4_causal",
-                 "fa4fp4_causal_mxfp4pv", "fa3_fp8", "sageattn3"],  # fmt: skip
+                 "fa4fp4_causal_mxfp4pv", "fa3_fp8"],  # fmt: skip
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--reference", action="store_true", help="time the simulation on CUDA too")
