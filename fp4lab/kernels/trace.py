@@ -260,17 +260,12 @@ def _product_errors(a: tuple, b: tuple, scale: float, cfg: dict, G: int) -> torc
     k_tiles = lambda t: _tiles(t.float(), bn)  # noqa: E731
     err = gram_errors(grams(x, x_hat, q_tiles), grams(z, z_hat, k_tiles))
     nQ, nK = err.shape[-2:]
-    rows, keys = torch.arange(nQ * bm), torch.arange(nK * bn)
-    allowed = (rows[:, None] < Sq) & (keys[None, :] < Sk)  # (nQ bm, nK bn)
-    if cfg["causal"]:
-        allowed &= keys[None, :] <= rows[:, None]
-    tiles = allowed.reshape(nQ, bm, nK, bn).transpose(1, 2)  # (nQ, nK, bm, bn)
     visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
-    masked = (~tiles.all((-2, -1)) & visible).nonzero()  # (M, 2): (i, j) of masked tiles
+    masked = (_masked_tiles(nQ, nK, Sq, Sk, bm, bn, cfg["causal"]) & visible).nonzero()
     xs, xh, zs, zh = q_tiles(x), q_tiles(x_hat), k_tiles(z), k_tiles(z_hat)
-    for chunk in masked.split(64):
+    for chunk in masked.split(64):  # (M, 2): (i, j) of masked tiles
         i, j = chunk[:, 0].to(err.device), chunk[:, 1].to(err.device)
-        keep = tiles[chunk[:, 0], chunk[:, 1]].to(err.device)  # (M, bm, bn)
+        keep = _tile_masks(i, j, Sq, Sk, bm, bn, cfg["causal"])  # (M, bm, bn)
         y = _tile_pairs(xh, zh, i, j, scale).masked_fill(~keep, 0)  # (B, Hkv, G, M, bm, bn)
         y_ref = _tile_pairs(xs, zs, i, j, scale).masked_fill(~keep, 0)
         err[:, :, :, i, j] = product_stats(y, y_ref, overwrite=True)["prod_err"]
@@ -328,6 +323,25 @@ def _tile_pairs(p, r, i, j, scale: float) -> torch.Tensor:
     """scale P_i R_j^T of the tile pairs (i[m], j[m]): p (B, Hkv, G, nQ, bm, E), r
     (B, Hkv, nK, bn, E) -> (B, Hkv, G, M, bm, bn)."""
     return (p[:, :, :, i] @ r[:, :, None, j].transpose(-1, -2)) * scale
+
+
+def _masked_tiles(nQ, nK, Sq, Sk, bm, bn, causal) -> torch.Tensor:
+    """(nQ, nK) bool on the CPU: the tiles with an entry outside the allowed (query, key)
+    pairs (a ragged last query or key tile, or, causal, a key after a row), from the tiles'
+    bounds alone: no (Sq, Sk) mask is ever built."""
+    i, j = torch.arange(nQ)[:, None], torch.arange(nK)[None, :]
+    ragged = ((i + 1) * bm > Sq) | ((j + 1) * bn > Sk)
+    if not causal:
+        return ragged
+    return ragged | ((j + 1) * bn - 1 > i * bm)  # the tile's last key after its first row
+
+
+def _tile_masks(i, j, Sq, Sk, bm, bn, causal) -> torch.Tensor:
+    """(M, bm, bn) bool: the allowed (query, key) entries of tiles (i[m], j[m])."""
+    rows = i[:, None, None] * bm + torch.arange(bm, device=i.device)[None, :, None]
+    keys = j[:, None, None] * bn + torch.arange(bn, device=i.device)[None, None, :]
+    keep = (rows < Sq) & (keys < Sk)
+    return keep & (keys <= rows) if causal else keep
 
 
 def _visible(nQ, nK, Sq, bm, bn, causal) -> torch.Tensor:

@@ -340,3 +340,20 @@ def test_both_passes_lay_out_their_shared_statistics_alike():
     from fp4lab.kernels.flash_bwd import BACKWARD_STATS
 
     assert flash.FORWARD_STATS[:9] == BACKWARD_STATS[:9]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_masked_tiles_come_from_tile_bounds_not_a_seq_by_seq_mask(causal):
+    # the product errors find the tiles with masked entries, and their masks, from the tiles'
+    # bounds (no (Sq, Sk) mask, which at 131072 tokens would hold 2^34 entries)
+    from fp4lab.kernels.trace import _masked_tiles, _tile_masks
+
+    for sq, sk, bm, bn in [(80, 72, 32, 32), (1, 129, 16, 64), (130, 32, 32, 16), (64, 64, 64, 64)]:
+        n_q, n_k = -(-sq // bm), -(-sk // bn)
+        rows, keys = torch.arange(n_q * bm)[:, None], torch.arange(n_k * bn)[None, :]
+        allowed = (rows < sq) & (keys < sk) & ((keys <= rows) | (not causal))
+        tiles = allowed.reshape(n_q, bm, n_k, bn).transpose(1, 2)
+        assert torch.equal(_masked_tiles(n_q, n_k, sq, sk, bm, bn, causal),
+                           ~tiles.all((-2, -1)))
+        i, j = torch.cartesian_prod(torch.arange(n_q), torch.arange(n_k)).unbind(1)
+        assert torch.equal(_tile_masks(i, j, sq, sk, bm, bn, causal), tiles[i, j])
