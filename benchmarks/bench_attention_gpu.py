@@ -39,10 +39,17 @@ statistics and the conversion into the `Trace` on the host), each beside SDPA; f
 against the simulation's trace on a slice (B1 H2 S1024: the largest difference of a P column,
 ``a_flushed`` or ``p_mass_lost``). Issue 9's goal: NVFP4 at least 0.4x SDPA with it on.
 
+Also (`--scale`): issue 9's scale run, B1 H8 S131072 D128 bf16 causal, forward plus backward
+with the trace on (`--scale-recipes`, fa4fp4_causal by default): its time, the peak CUDA
+memory beside one seq x seq bf16 buffer over the heads (256 GiB, more than the H200 holds),
+and whether the outputs and gradients are finite; not checked against the simulation at
+that size (it would not fit).
+
     python benchmarks/bench_attention_gpu.py [--recipes exact nvfp4 ...] [--reference]
         [--backward [--backward-recipes fa4fp4_causal ...]]
         [--trace [--trace-recipes nvfp4 ...]] [--no-kernels] [--out DIR]
         [--gradient-bias [--bias-recipes croissattn ...] [--bias-samples 256]]
+        [--scale [--scale-recipes fa4fp4_causal ...]]
 """
 
 from __future__ import annotations
@@ -116,7 +123,12 @@ def main() -> None:
     parser.add_argument("--bias-samples", type=int, default=256)
     parser.add_argument("--trace", action="store_true", help="time the forward traced too")
     parser.add_argument("--trace-recipes", nargs="+", default=["nvfp4", "fa4fp4_causal", "fa3_fp8"])
+    parser.add_argument("--scale", action="store_true",
+                        help="the 131072-token causal fwd+bwd with the trace on")
+    parser.add_argument("--scale-recipes", nargs="+", default=["fa4fp4_causal"])
     args = parser.parse_args()
+    if args.scale:
+        scale_run(args.scale_recipes, args.out)
     if args.gradient_bias:
         gradient_bias_timing(args.bias_recipes, args.bias_samples, args.out)
     if args.reference:
@@ -393,6 +405,41 @@ def gradient_bias_timing(recipes, samples: int, out_dir) -> None:
         print(f"{name:20s} {kernels_s:10.2f} {simulation_s:15.1f} {speedup:9.1f} {diff:14.1e} "
               f"{row['se']:9.1e}", flush=True)  # fmt: skip
         with open(os.path.join(out_dir, "bench_attention_gpu_bias.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+def scale_run(recipes, out_dir, seq: int = 131072) -> None:
+    """The issue's scale run: B1 H8 S`seq` D128 bf16, causal, forward plus backward with the
+    trace on, on the kernels; its wall time, peak CUDA memory against one (Sq x Sk) bf16
+    buffer per head (what no part may allocate), and whether the outputs and the trace are
+    finite where written."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    rows = []
+    seq_by_seq_gb = 8 * seq * seq * 2 / 2**30
+    print(f"scale: B1 H8 S{seq} D128 bf16 causal, fwd+bwd traced; one seq x seq bf16 buffer "
+          f"over the heads would be {seq_by_seq_gb:.0f} GiB")
+    for name in recipes:
+        q, k, v, do = (torch.randn(1, 8, seq, 128, device="cuda", generator=g).bfloat16()
+                       for _ in range(4))  # fmt: skip
+        leaves = [x.requires_grad_() for x in (q, k, v)]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        trace = Trace()
+        out = fp4lab.attention(*leaves, name, causal=True, backend="triton", trace=trace)
+        out.backward(do)
+        frame = trace.to_frame()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        grads = [x.grad for x in leaves]
+        finite = all(bool(torch.isfinite(t.float()).all()) for t in (out, *grads))
+        row = dict(recipe=name, seq=seq, seconds=seconds,
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                   seq_by_seq_gib=seq_by_seq_gb, trace_rows=len(frame), outputs_finite=finite)
+        rows.append(row)
+        print(f"{name:20s} {seconds:8.1f} s  peak {row['peak_gib']:6.1f} GiB  trace rows "
+              f"{len(frame)}  finite {finite}", flush=True)
+        with open(os.path.join(out_dir, "bench_attention_gpu_scale.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
