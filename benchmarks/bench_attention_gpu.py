@@ -77,7 +77,7 @@ CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3)]
 def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages, traced=False):
     """A closure running the kernel on operands prepared once, as the backend prepares them;
     `traced`: compiled with TRACE, writing its statistics into buffers allocated once."""
-    qs, ks, vs, factors = backend.prepare(q, k, v, recipe, block_n)
+    qs, ks, vs, factors = backend.prepare(q, k, v, recipe, block_m, block_n)
     pq = backend.p_quantizer(recipe)
     options = dict(
         causal=causal, scale=1 / math.sqrt(q.shape[-1]), block_m=block_m, block_n=block_n,

@@ -88,8 +88,6 @@ def check_recipe(recipe: AttentionRecipe) -> None:
     from fp4lab.kernels.flash import check_direct_p, check_p
 
     missing = []
-    if recipe.tensor_scope is TensorScope.TILE:
-        missing.append("tensor_scope=tile")
     if recipe.incoherent_processing:
         missing.append("incoherent_processing")
     if recipe.smooth_q and not _bf16_exact(recipe.q):
@@ -173,37 +171,40 @@ def _noise(x: torch.Tensor, recipe: AttentionRecipe, field: str, key: int | None
     return tensor_uniforms(stream_keys(key, operand(field).stream), x.shape, x.device)
 
 
-def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, key=None):
-    """(store, factor): the quantized operand as exact bf16 values and the fp32 factor per
-    (batch, head of x) they are multiplied by; a stochastic format rounds with the uniforms
-    of its stream under the pass's key `key` (`_noise`), as the simulation does."""
+def _operand(
+    x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, key=None, rows=None
+):
+    """(store, factor): the quantized operand as exact bf16 values and the fp32 factor they
+    are multiplied by, one per (batch, head of x), or with tensor_scope=tile one per tile of
+    `rows` rows of each (batch, head): (B, H, n tiles); a stochastic format rounds with the
+    uniforms of its stream under the pass's key `key` (`_noise`), as the simulation does."""
     spec = getattr(recipe, field)
-    b, h = x.shape[:2]
-    ones = torch.ones(b, h, dtype=torch.float32, device=x.device)
+    scope = _Scope.of(x, recipe, groups, rows)
+    ones = torch.ones(scope.factor_shape, dtype=torch.float32, device=x.device)
     if spec is None:
         return x.to(_store_dtype(x)).contiguous(), ones
     if isinstance(spec, FloatFormat):
         return round_to_format(x.float(), spec).to(_store_dtype(x)).contiguous(), ones
-    per_head = recipe.tensor_scope is TensorScope.HEAD
-    view = x.reshape(b, h // groups, groups, *x.shape[2:]) if per_head else x
     from fp4lab.kernels.quantize import fake_quantize, quantize
 
-    where = dict(axis=recipe.block_axis(field), batch_dims=2 if per_head else 0)
+    view = scope.view(x)
+    where = dict(axis=recipe.block_axis(field), batch_dims=scope.batch_dims)
     if _one_pass(spec):  # codes times block scales in one fused pass
-        return fake_quantize(view, spec, **where).reshape(x.shape).to(_store_dtype(x)), ones
+        store = scope.back(fake_quantize(view, spec, **where)).to(_store_dtype(x))
+        return store.contiguous(), ones
     if _fixed_pass(spec):  # a fixed power-of-two scale: the codes are the values over it
-        values = fake_quantize(view, spec, **where).reshape(x.shape)
+        values = scope.back(fake_quantize(view, spec, **where))
         store = (values * (1.0 / spec.fixed_scale)).to(_store_dtype(x)).contiguous()
         return store, ones * spec.fixed_scale
     if _factored_pass(spec):  # codes times block scales, the tensor scale as the factor
         from fp4lab.kernels.quantize import fake_quantize_factored
 
         values, decode = fake_quantize_factored(view, spec, **where)
-        store = values.reshape(x.shape).to(_store_dtype(x)).contiguous()
-        return store, ones * _per_head(decode, b, h, groups)
+        store = scope.back(values).to(_store_dtype(x)).contiguous()
+        return store, ones * scope.factor(decode)
     noise = _noise(x, recipe, field, key)
     if noise is not None:
-        noise = noise.reshape(view.shape)
+        noise = scope.view(noise)
     qt = quantize(view, spec, noise=noise, **where)
     codes, scales = qt.element_values(), qt.expanded_scales()
     factor = ones
@@ -212,13 +213,59 @@ def _operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, 
             scales > 0, torch.exp2(torch.round(torch.log2(scales * spec.element.max))), 0.0
         )
         factor = factor / spec.element.max
-    elif spec.scale == FP32:  # one FP32 scale per tensor (or head): keep the codes
-        factor = factor * _per_head(qt.scales, b, h, groups)
+    elif spec.scale == FP32:  # one FP32 scale per tensor (or head, or tile): keep the codes
+        factor = factor * scope.factor(qt.scales)
         scales = torch.ones_like(scales)
     if qt.tensor_scale is not None:
-        factor = factor * _per_head(qt.tensor_scale, b, h, groups)
-    store = (codes * scales).reshape(x.shape).to(_store_dtype(x))
+        factor = factor * scope.factor(qt.tensor_scale)
+    store = scope.back(codes * scales).to(_store_dtype(x))
     return store.contiguous(), factor
+
+
+class _Scope:
+    """A whole-tensor operand x (B, H, S, E) as the fused quantizer takes it for the recipe's
+    tensor scope (`TensorScope`), as `fp4lab.analysis.quantizers.quantize_field` cuts it:
+    whole; (B, Hkv, G, S, E) per (batch, KV head), a query-side tensor's `groups` heads
+    sharing it; (B, H, n tiles, rows, E) per tile, the last tile padded with zero rows."""
+
+    def __init__(self, shape, batch_dims: int, groups: int, rows: int | None):
+        self.shape, self.batch_dims, self.groups, self.rows = shape, batch_dims, groups, rows
+        b, h, n = shape[:3]
+        self.factor_shape = (b, h) if rows is None else (b, h, -(-n // rows))
+
+    @classmethod
+    def of(cls, x: torch.Tensor, recipe: AttentionRecipe, groups: int, rows: int | None):
+        if recipe.tensor_scope is TensorScope.TILE:
+            if rows is None:
+                raise ValueError(
+                    f"rows: recipe {recipe.name!r} takes its tensor scales per tile "
+                    "(tensor_scope=tile) and needs the tile's rows"
+                )
+            return cls(x.shape, 3, 1, rows)
+        per_head = recipe.tensor_scope is TensorScope.HEAD
+        return cls(x.shape, 2 if per_head else 0, groups, None)
+
+    def view(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, n, e = self.shape
+        if self.rows is not None:
+            pad = -n % self.rows
+            return F.pad(x, (0, 0, 0, pad)).reshape(b, h, -1, self.rows, e)  # (B, H, nT, rows, E)
+        if self.batch_dims == 2:
+            return x.reshape(b, h // self.groups, self.groups, n, e)  # (B, Hkv, G, S, E)
+        return x
+
+    def back(self, y: torch.Tensor) -> torch.Tensor:
+        """A result of the view's shape as x's (B, H, S, E), padding rows cut."""
+        b, h, n, e = self.shape
+        return y.reshape(b, h, -1, e)[:, :, :n]
+
+    def factor(self, scale: torch.Tensor) -> torch.Tensor:
+        """A tensor scale (or FP32 scale) of the view as one value per entry of the factor."""
+        if self.rows is None:
+            return _per_head(scale, *self.shape[:2], self.groups)
+        if scale.numel() == 1:
+            return scale.reshape(()).float().expand(self.factor_shape)
+        return scale.reshape(self.factor_shape).float()
 
 
 def _one_pass(spec: QuantSpec) -> bool:
@@ -287,16 +334,17 @@ def _per_head(scale: torch.Tensor, b: int, h: int, groups: int) -> torch.Tensor:
     return scale.reshape(b, h // groups).float().repeat_interleave(groups, dim=1)
 
 
-def prepare(q, k, v, recipe: AttentionRecipe, block_n: int):
-    """(q, k, v, factors) as the kernel reads them: K smoothed as the recipe says, each
-    operand quantized (`_operand`), V key-major E4M3 where P V runs on the FP8 tensor cores
-    (with key tiles of `block_n`). Not for smooth_q, whose Q and scores depend on block_m
-    (`smooth_q`, `mean_scores`)."""
+def prepare(q, k, v, recipe: AttentionRecipe, block_m: int, block_n: int):
+    """(q, k, v, factors) as the kernel reads them with tiles of `block_m` queries and
+    `block_n` keys: K smoothed as the recipe says, each operand quantized (`_operand`), V
+    key-major E4M3 where P V runs on the FP8 tensor cores. Not for smooth_q, whose Q and
+    scores depend on block_m (`smooth_q`, `mean_scores`)."""
     if recipe.smooth_q:
         raise NotImplementedError(
             f"recipe {recipe.name!r}: prepare does not split Q for smooth_q; use attention"
         )
-    qs, ks, vs, factors = quantize_operands(q, smooth_k(k, recipe), v, recipe)
+    tiles = (block_m, block_n)
+    qs, ks, vs, factors = quantize_operands(q, smooth_k(k, recipe), v, recipe, tiles=tiles)
     if _fp8_pv(recipe, block_n):
         vs = _key_major_fp8(vs)
     return qs, ks, vs, factors
@@ -344,14 +392,17 @@ def mean_scores(q_mean: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Te
     return (dots * (scale * LOG2E)).reshape(B, H, n_q, Sk).contiguous()
 
 
-def quantize_operands(q, k, v, recipe: AttentionRecipe, key: int | None = None):
+def quantize_operands(q, k, v, recipe: AttentionRecipe, key: int | None = None, tiles=None):
     """(q, k, v, (qf, kf, vf)): the forward's Q^, K^, V^ as stored values and factors (`key`:
-    the forward's pass key, for stochastic formats)."""
+    the forward's pass key, for stochastic formats; `tiles`: the kernel's (block_m, block_n),
+    which a recipe with tensor_scope=tile takes its tensor scales over: per query tile of Q,
+    per key tile of K and V)."""
     g = q.shape[1] // k.shape[1]
+    bm, bn = tiles if tiles is not None else (None, None)
     (qs, qf), (ks, kf), (vs, vf) = (
-        _operand(q, recipe, "q", g, key),
-        _operand(k, recipe, "k", 1, key),
-        _operand(v, recipe, "v", 1, key),
+        _operand(q, recipe, "q", g, key, bm),
+        _operand(k, recipe, "k", 1, key, bn),
+        _operand(v, recipe, "v", 1, key, bn),
     )
     return qs, ks, vs, (qf, kf, vf)
 
@@ -403,6 +454,8 @@ def check_backward(
     naming it, before anything runs (no silent fallback); ValueError for blocks of P or dS
     that do not tile `block_m` x `block_n` (when given)."""
     missing = _untransformed_gaps(recipe, _WHOLE_OPERANDS)
+    if recipe.tensor_scope is TensorScope.TILE:
+        missing.append("tensor_scope=tile (per-tile factors in the backward kernels)")
     if missing:
         raise NotImplementedError(
             f"recipe {recipe.name!r}: the Triton backward does not run {', '.join(missing)} "
@@ -517,7 +570,7 @@ class _TritonAttention(torch.autograd.Function):
 
         fwd_key = pass_key(generator) if recipe.stochastic else None  # as the simulation's
         q_src, q_mean = smooth_q(q, recipe, block_m)  # Q - M quantized, M K^T added in fp32
-        qs, ks, vs, factors = quantize_operands(q_src, k, v, recipe, fwd_key)
+        qs, ks, vs, factors = quantize_operands(q_src, k, v, recipe, fwd_key, (block_m, block_n))
         shift = None if q_mean is None else mean_scores(q_mean, k, scale)
         vs_kernel = _key_major_fp8(vs) if _fp8_pv(recipe, block_n) else vs
         grads = any(ctx.needs_input_grad[:3])

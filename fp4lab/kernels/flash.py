@@ -731,10 +731,10 @@ def _trace_p_tile(
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base, n_k,
-    offs_m, rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
-    stride_pd, first, count, stats_base, lost_base, sr_k0, sr_k1, batch, head,
+    offs_m, rows, qk_scale, inv_vf, kf_base, vf_base, Sk, stride_kn, stride_kd, stride_vn,
+    stride_vd, stride_pn, stride_pd, first, count, stats_base, lost_base, sr_k0, sr_k1, batch, head,
     MASKED: tl.constexpr, SAVE_M: tl.constexpr, LEAK: tl.constexpr, REVERSE: tl.constexpr,
-    SMOOTH_Q: tl.constexpr,
+    SMOOTH_Q: tl.constexpr, TILE_SCOPE: tl.constexpr,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FIXED: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
     ROW_SUM_Q: tl.constexpr, PV_FP8: tl.constexpr, PRIME: tl.constexpr,
@@ -753,7 +753,9 @@ def _fwd_inner(
     vp_base, its product divided by V's factor, which the output takes at the end). PRIME:
     also Attn-QAT's O' (acc_p, l_p): the unquantized P times V^, over the sum of that P.
     SAVE_M: each tile's row reference into mref_base (row-major, n_k tiles a row). SMOOTH_Q:
-    the scores add the query tile's mean scores (ms_base, one fp32 per key, log2 units). SR: P
+    the scores add the query tile's mean scores (ms_base, one fp32 per key, log2 units).
+    TILE_SCOPE: K's and V's factors are per key tile (kf_base, vf_base, one fp32 a tile), the
+    scores multiplied by K's, the tile's P^ V^ by V's (else V's applies once, at the end). SR: P
     rounds stochastically with the words of its stream (key sr_k0, sr_k1) at each element's
     (batch, query head, query, key) position. TRACE: each tile's statistics
     (`_trace_p_tile`) to stats_base (N_STATS a key tile) and lost_base (row-major, n_k tiles
@@ -772,7 +774,11 @@ def _fwd_inner(
             k = tl.load(k_ptrs, mask=inside[None, :], other=0.0)  # (HEAD_DIM, BLOCK_N)
         else:
             k = tl.load(k_ptrs)
-        qk = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if TILE_SCOPE:  # K's factor of this key tile
+            kf = tl.load(kf_base + start_n // BLOCK_N)
+            qk = tl.dot(q, k) * (qk_scale * kf)  # (BLOCK_M, BLOCK_N), log2 units
+        else:
+            qk = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if SMOOTH_Q:  # + the tile mean's scores M_i K_j^T, fp32 from the host
             if MASKED:
                 qk = qk + tl.load(ms_base + offs_n, mask=inside, other=0.0)[None, :]
@@ -868,6 +874,9 @@ def _fwd_inner(
         pv = pv * factor
         if MODE == 6:  # P^ = q(r P) / r: the rows' products divided by their scales
             pv = tl.div_rn(pv, r[:, None])
+        if TILE_SCOPE:  # V's factor of this key tile (inv_vf is 1)
+            vf = tl.load(vf_base + start_n // BLOCK_N)
+            pv = pv * vf
         if MASKED and LEAK > 0:  # P's diagonal blocks times unquantized V, 16 bits of P
             vp_ptrs = vp_base + offs_n[:, None] * stride_pn + offs_dv[None, :] * stride_pd
             vp = tl.load(vp_ptrs, mask=inside[:, None], other=0.0)
@@ -877,10 +886,13 @@ def _fwd_inner(
         if PRIME:  # unquantized P (16 bits of it) times V^
             p_hi = p.to(v.dtype)
             p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            pv_p = tl.dot(p_lo, v, tl.dot(p_hi, v))
+            if TILE_SCOPE:
+                pv_p = pv_p * vf
             if FIXED:
-                acc_p = acc_p + tl.dot(p_lo, v, tl.dot(p_hi, v))
+                acc_p = acc_p + pv_p
             else:
-                acc_p = acc_p * alpha[:, None] + tl.dot(p_lo, v, tl.dot(p_hi, v))
+                acc_p = acc_p * alpha[:, None] + pv_p
         if TRACE:  # the statistics of P^ as P V consumed it
             p_used = p_hat * factor
             p_seen = p
@@ -929,7 +941,7 @@ def _attn_fwd(
     # the row reference: 0 the running (or lazy) maximum, 1 fp4-fa4's anchor, 2 zero
     REF: tl.constexpr, FIXED: tl.constexpr, ANCHOR_KEYS: tl.constexpr, LEAK: tl.constexpr,
     LSE_LOG2: tl.constexpr, PRIME: tl.constexpr, SAVE_M: tl.constexpr,
-    SR: tl.constexpr, SR_BITS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+    SR: tl.constexpr, SR_BITS: tl.constexpr, SMOOTH_Q: tl.constexpr, TILE_SCOPE: tl.constexpr,
     # instrumentation: per-tile statistics (`FORWARD_STATS`, `OUT_STATS`), off by default
     TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, UNDER: tl.constexpr = 0.0,
     OVER: tl.constexpr = 0.0,
@@ -954,9 +966,18 @@ def _attn_fwd(
     b, h = bh // H, bh % H
     hk = h // G
     sr_k0, sr_k1, sr_b = _stream_words(SRKeys, b, sr_batch, 0, 1)
-    # the operands' factors outside their bf16 values (tensor scales, alpha grids' 1/M_e)
-    qk_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + b * (H // G) + hk)
-    out_factor = tl.load(VF + b * (H // G) + hk)
+    # the operands' factors outside their bf16 values (tensor scales, alpha grids' 1/M_e):
+    # one per (batch, head), or with TILE_SCOPE one per tile (Q's of this query tile here,
+    # K's and V's of each key tile in the loop, from kf_base and vf_base)
+    n_k = tl.cdiv(Sk, BLOCK_N)
+    kf_base = KF + (b * (H // G) + hk).to(tl.int64) * n_k
+    vf_base = VF + (b * (H // G) + hk).to(tl.int64) * n_k
+    if TILE_SCOPE:
+        qk_scale = qk_scale * tl.load(QF + bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m)
+        out_factor = tl.full([], 1.0, tl.float32)
+    else:
+        qk_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + b * (H // G) + hk)
+        out_factor = tl.load(VF + b * (H // G) + hk)
     inv_vf = 1.0 / out_factor
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -974,7 +995,10 @@ def _attn_fwd(
         offs_a = tl.arange(0, BLOCK_N)
         first = (offs_a < ANCHOR_KEYS) & (offs_a < Sk)
         a_ptrs = k_base + offs_a[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        qk = tl.dot(q, tl.load(a_ptrs, mask=first[None, :], other=0.0)) * qk_scale
+        a_scale = qk_scale
+        if TILE_SCOPE:
+            a_scale = qk_scale * tl.load(kf_base)
+        qk = tl.dot(q, tl.load(a_ptrs, mask=first[None, :], other=0.0)) * a_scale
         if SMOOTH_Q:
             qk = qk + tl.load(ms_base + offs_a, mask=first, other=0.0)[None, :]
         keep = first[None, :] & rows[:, None]
@@ -992,8 +1016,7 @@ def _attn_fwd(
     else:  # unused
         acc_p = tl.zeros([1, 1], dtype=tl.float32)
         l_p = tl.zeros([1], dtype=tl.float32)
-    n_tiles = tl.cdiv(Sk, BLOCK_N)
-    n_k = n_tiles
+    n_tiles = n_k
     mref_base = MRef + bh.to(tl.int64) * Sq * n_k
     stats_base = Stats + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * n_k * N_STATS
     lost_base = Lost + bh.to(tl.int64) * Sq * n_k
@@ -1016,19 +1039,21 @@ def _attn_fwd(
         first1, count1, first2, count2 = 0, n_free, n_free, n_tiles - n_free
     acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base,
-        n_k, offs_m, rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd,
-        stride_pn, stride_pd, first1, count1, stats_base, lost_base, sr_k0, sr_k1, sr_b, h,
-        REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
-        CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
+        n_k, offs_m, rows, qk_scale, inv_vf, kf_base, vf_base, Sk, stride_kn, stride_kd,
+        stride_vn, stride_vd, stride_pn, stride_pd, first1, count1, stats_base, lost_base, sr_k0,
+        sr_k1, sr_b, h,
+        REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, TILE_SCOPE, HEAD_DIM, V_DIM, BLOCK_M,
+        BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER,
     )
     acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base,
-        n_k, offs_m, rows, qk_scale, inv_vf, Sk, stride_kn, stride_kd, stride_vn, stride_vd,
-        stride_pn, stride_pd, first2, count2, stats_base, lost_base, sr_k0, sr_k1, sr_b, h,
-        not REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N,
-        CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
+        n_k, offs_m, rows, qk_scale, inv_vf, kf_base, vf_base, Sk, stride_kn, stride_kd,
+        stride_vn, stride_vd, stride_pn, stride_pd, first2, count2, stats_base, lost_base, sr_k0,
+        sr_k1, sr_b, h,
+        not REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, TILE_SCOPE, HEAD_DIM, V_DIM, BLOCK_M,
+        BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER,
     )
@@ -1055,6 +1080,20 @@ def _attn_fwd(
 
 
 _REFERENCES = {"running": 0, "anchor": 1, "zero": 2}
+
+
+def _check_factors(factors, B: int, H: int, Hk: int, n_q: int, n_k: int) -> bool:
+    """Whether the (qf, kf, vf) factors are per tile (else per head); raise ValueError for
+    shapes that are neither."""
+    per_head = ((B, H), (B, Hk), (B, Hk))
+    per_tile = ((B, H, n_q), (B, Hk, n_k), (B, Hk, n_k))
+    shapes = tuple(tuple(f.shape) for f in factors)
+    if shapes not in (per_head, per_tile):
+        raise ValueError(
+            f"factors: (qf, kf, vf) must be shaped {per_head} (per head) or {per_tile} (per "
+            f"tile: tensor_scope=tile), got {shapes}"
+        )
+    return shapes == per_tile
 
 # What an instrumented forward (TRACE) writes per (batch x head, query tile, key tile), in this
 # order (`_trace_p_tile`): P's nonzeros, P^'s nonzeros, sum (P^ - P)^2, sum P^2, P's clipped
@@ -1175,8 +1214,10 @@ def attention_forward(
 ):
     """O (B, H, Sq, Dv) and lse (B, H, Sq) fp32 of already quantized q, k, v (B, H|Hkv, S, D),
     bf16 or fp16, contiguous in their last dim, on the GPU (or under the interpreter); the
-    values of q, k, v are multiplied by `factors` (fp32 tensors of (B, H), (B, Hkv), (B, Hkv)
-    elements) in the kernel's fp32 arithmetic. `reference` is the row reference: "running"
+    values of q, k, v are multiplied by `factors` in the kernel's fp32 arithmetic: fp32
+    tensors of (B, H), (B, Hkv), (B, Hkv) elements, one per head, or (tensor_scope=tile) of
+    (B, H, cdiv(Sq, block_m)), (B, Hkv, n_k), (B, Hkv, n_k), one per query tile of Q and per
+    key tile of K and V (n_k = cdiv(Sk, block_n)). `reference` is the row reference: "running"
     (with `lazy_log2`, the lazy maximum), "anchor" (each row's largest score over its first
     `anchor_keys` keys plus `anchor_margin` in score units, fixed) or "zero". `lse_log2`:
     return the log-sum-exp in log2 units (m + log2 l, the kernel's own, before its conversion
@@ -1219,6 +1260,7 @@ def attention_forward(
     grid = (triton.cdiv(Sq, block_m), B * H)
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
     n_k = triton.cdiv(Sk, block_n)
+    tile_scope = _check_factors((qf, kf, vf), B, H, Hk, triton.cdiv(Sq, block_m), n_k)
     if m_ref is not None and (m_ref.shape != (B, H, Sq, n_k) or not m_ref.is_contiguous()):
         raise ValueError(f"m_ref must be a contiguous {(B, H, Sq, n_k)} tensor, got "
                          f"{tuple(m_ref.shape)}")  # fmt: skip
@@ -1270,7 +1312,7 @@ def attention_forward(
         LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
         ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=o_prime is not None,
         SAVE_M=m_ref is not None, SR=pq.SR, SR_BITS=pq.SR_BITS,
-        SMOOTH_Q=mean_scores is not None, **instrument,
+        SMOOTH_Q=mean_scores is not None, TILE_SCOPE=tile_scope, **instrument,
         num_warps=num_warps,
         num_stages=num_stages,
         enable_fp_fusion=FP_FUSION,

@@ -130,10 +130,10 @@ def record_forward(
     q_tiles = lambda x: _tiles(heads_of(x, B, Hk, G), bm)  # noqa: E731
     k_tiles = lambda x: _tiles(x, bn)  # noqa: E731
     q_src = q.float() if smoothed is None else smoothed[0]
-    q_hat, k_hat = _quantized(q_src, recipe, "q", G), _quantized(k, recipe, "k", 1)
+    q_hat, k_hat = _quantized(q_src, recipe, "q", G, bm), _quantized(k, recipe, "k", 1, bn)
     qs = whole_stats(q_src, q_hat, q_tiles)
     ks = whole_stats(k.float(), k_hat, k_tiles)
-    vs = whole_stats(v.float(), _quantized(v, recipe, "v", 1), k_tiles)
+    vs = whole_stats(v.float(), _quantized(v, recipe, "v", 1, bn), k_tiles)
     q_cols = {n: c[..., None].expand_as(like) for n, c in qs.items()}  # (B, Hkv, G, nQ, 1)
     k_cols = {n: c[:, :, None, None].expand_as(like) for n, c in ks.items()}
     v_cols = {n: c[:, :, None, None].expand_as(like) for n, c in vs.items()}
@@ -221,7 +221,7 @@ def _backward_operands(
     if recipe.backward is BackwardMode.FLASH:
         v_src = v
         if recipe.backward_v is BackwardV.FORWARD:  # the forward's V^, quantized again
-            v_src = _quantized(v, recipe, "v", 1).values
+            v_src = _quantized(v, recipe, "v", 1, bn).values
         sources = {"v_dp": (v_src, "dp_v", 1), "k_dq": (k, "dq_k", 1), "q_dk": (q, "dk_q", G)}
     else:  # straight through the forward's quantizers
         sources = {"v_dp": (v, "v", 1), "k_dq": (k, "k", 1), "q_dk": (q, "q", G)}
@@ -230,10 +230,10 @@ def _backward_operands(
     out = {}
     for name, (x, field, groups) in sources.items():
         tiler = q_tiles if groups == G and name != "k_dq" and name != "v_dp" else k_tiles
-        quant = _quantized(x, recipe, field, groups)
+        quant = _quantized(x, recipe, field, groups, bm if tiler is q_tiles else bn)
         if name == "q_dk" and smoothed is not None and recipe.backward is not BackwardMode.FLASH:
             q_src, q_mean = smoothed
-            quant.values = _quantized(q_src, recipe, "q", G).values + _mean_rows(
+            quant.values = _quantized(q_src, recipe, "q", G, bm).values + _mean_rows(
                 q_mean, bm, q.shape[2]
             )
         out[name] = whole_stats(plain[name].float(), quant, tiler)
@@ -365,10 +365,11 @@ def _tiles(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-2], -1, rows, x.shape[-1])
 
 
-def _quantized(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int):
+def _quantized(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, rows: int):
     """Operand `field` quantized as a whole tensor by `fp4lab.formats` (the arithmetic of the
-    simulation's and of the kernels' quantizers), with the trace's counts (`block_counts`),
-    in float32: `.values` and `.counts` as `whole_stats` reads them."""
+    simulation's and of the kernels' quantizers), its tensor scale over the recipe's
+    `tensor_scope` (per tile: of `rows` rows), with the trace's counts (`block_counts`), in
+    float32: `.values` and `.counts` as `whole_stats` reads them."""
     spec, xw = getattr(recipe, field), x.float()
     if spec is None:
         return SimpleNamespace(values=xw, counts=None)
@@ -376,11 +377,16 @@ def _quantized(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int
         return SimpleNamespace(
             values=round_to_format(xw, spec), counts={"clipped": xw.abs() > spec.max}
         )
-    b, h = x.shape[:2]
-    per_head = recipe.tensor_scope is TensorScope.HEAD
-    view = xw.reshape(b, h // groups, groups, *x.shape[2:]) if per_head else xw
-    bq = quantize_blocks(view, spec, axis=recipe.block_axis(field), batch_dims=2 if per_head else 0)
-    values = bq.dequantize(torch.float32).reshape(x.shape)
+    b, h, n = x.shape[:3]
+    if recipe.tensor_scope is TensorScope.TILE:  # (B, H, nT, rows, E), zero rows padding
+        view, batch_dims = _tiles(xw, rows), 3
+    elif recipe.tensor_scope is TensorScope.HEAD:  # (B, Hkv, G, S, E)
+        view, batch_dims = xw.reshape(b, h // groups, groups, *x.shape[2:]), 2
+    else:
+        view, batch_dims = xw, 0
+    bq = quantize_blocks(view, spec, axis=recipe.block_axis(field), batch_dims=batch_dims)
+    back = lambda t: t.reshape(b, h, -1, x.shape[-1])[:, :, :n]  # noqa: E731  (B, H, S, E)
+    values = back(bq.dequantize(torch.float32))
     counts = block_counts(bq.scaled, bq.amax, bq.decode, spec, bq.layout, per_tile=False)
-    counts = {k: c.reshape(x.shape) if c is not None else None for k, c in counts.items()}
+    counts = {k: back(c) if c is not None else None for k, c in counts.items()}
     return SimpleNamespace(values=values, counts=counts)

@@ -297,7 +297,7 @@ def test_the_forward_saves_its_results_unchanged():
 
     q, k, v, _ = inputs(1, 2, 1, 64, 64, 32, seed=15)
     recipe = resolve_recipe("attn_qat")
-    qs, ks, vs, factors = backend.prepare(q, k, v, recipe, 32)
+    qs, ks, vs, factors = backend.prepare(q, k, v, recipe, 32, 32)
     run = dict(pq=backend.p_quantizer(recipe), causal=True, scale=32**-0.5, block_m=32,
                block_n=32, **backend.forward_options(recipe, True, v))  # fmt: skip
     o, lse = attention_forward(qs, ks, vs, factors, **run)
