@@ -44,7 +44,7 @@ RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_alpha_ceil", "nvfp4_ue5m3",
     "fa4fp4_causal", "fa3_fp8", "attn_qat", "fa4fp4_causal_mxfp8pv", "fp8_per_tensor",
     "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64", "flash_bf16", "sageattn3",
-    "fa4fp4_directp", "sageattn3_paper",
+    "fa4fp4_directp", "sageattn3_paper", "attn_qat_kernel",
 ]  # fmt: skip
 
 
@@ -209,11 +209,52 @@ def test_smooth_q_needs_a_q_format_the_kernel_reads_exactly():
             fp4lab.attention(q, k, v, recipe, backend="triton")
 
 
+def _tiles_apart(x, rows):
+    """x (B, H, S, E) with each tile of `rows` rows scaled by its own magnitude (1, 2.5, 0.5,
+    1.75 in turn), so that a per-tile tensor scale differs from tile to tile."""
+    magnitude = torch.tensor([1.0, 2.5, 0.5, 1.75])[(torch.arange(x.shape[2]) // rows) % 4]
+    return (x.float() * magnitude.to(x.device)[:, None]).to(x.dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk", [(80, 72), (40, 100)])
+def test_tile_scope_takes_each_tiles_tensor_scale(causal, sq, sk):
+    # attn_qat_kernel (tensor_scope=tile): Q's tensor scale per query tile of each head, K's
+    # and V's per key tile of each KV head, the last, partial tile's padding rows counting as
+    # zeros; GQA (2 query heads a KV head), ragged tiles on both sides, query and key tiles
+    # of different sizes, tiles scaled apart. The same budget as every recipe's: the kernel
+    # multiplies each tile's product by its tile's factor where the simulation multiplies
+    # the elements, a rounding apart. Run with one factor per head instead (each head's
+    # first tile's, on the same stored values), the kernel lands far outside it.
+    from fp4lab.kernels import backend
+
+    recipe, tiles = resolve_recipe("attn_qat_kernel"), dict(block_m=32, block_n=16)
+    q, k, v = (_tiles_apart(x, 16) for x in inputs(1, 4, 2, sq, sk, 32, seed=sq * sk))
+    got = fp4lab.attention(q, k, v, recipe, causal=causal, backend="triton", **tiles)
+    want = reference_attention(q, k, v, recipe, causal=causal, **tiles)
+    exact = reference_attention(q.double(), k.double(), v.double(), causal=causal, **tiles)
+    diff, own = rel(got, want), rel(want, exact)
+    assert diff <= BUDGET, f"kernel vs simulation {diff:.2e} (recipe's error {own:.2e})"
+    qs, ks, vs, factors = backend.prepare(q, k, v, recipe, **tiles)
+    assert [f.shape[-1] for f in factors] == [-(-sq // 32), -(-sk // 16), -(-sk // 16)]
+    run = dict(pq=backend.p_quantizer(recipe), causal=causal, scale=32**-0.5, **tiles,
+               **backend.forward_options(recipe, causal, v))  # fmt: skip
+    for i, name in enumerate("qkv"):  # operand i's first tile's factor for all its tiles
+        wrong = [f[..., :1].expand_as(f) if j == i else f for j, f in enumerate(factors)]
+        out = flash.attention_forward(qs, ks, vs, wrong, **run)[0].to(q.dtype)
+        assert rel(out, want) > 10 * BUDGET, f"{name}: one factor per head passes"
+
+
 @pytest.mark.parametrize(
-    "recipe, what", [("attn_qat_kernel", "tensor_scope=tile")]
-)
-def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, what):
-    q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)
+    "recipe, grad, what",
+    [("fa3_fp8_paper", False, "incoherent_processing"),
+     ("attn_qat_kernel", True, "backward does not run tensor_scope=tile")],
+    ids=["fa3_fp8_paper", "attn_qat_kernel-backward"],
+)  # fmt: skip
+def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, grad, what):
+    # attn_qat_kernel's forward runs (per-tile tensor scales); its backward (straight through
+    # the forward's per-tile Q^, K^, V^, and its two-level P in dV) does not yet
+    q, k, v = (x.requires_grad_(grad) for x in inputs(1, 1, 1, 32, 32, 32, seed=4))
     with pytest.raises(NotImplementedError, match=what):
         fp4lab.attention(q, k, v, recipe, backend="triton")
 
