@@ -155,6 +155,17 @@ def test_a_forward_only_trace_has_the_forward_rows(recipe):
     compare(ref, tri, trace.calls[0].meta)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_tile_scope_trace_takes_each_tiles_tensor_scale(causal):
+    # attn_qat_kernel (tensor_scope=tile, forward only: its backward is not on the kernels):
+    # Q's, K's and V's columns from operands quantized with a tensor scale per tile, as the
+    # simulation's; two-level P's row maximum on the clip boundary (up to one per row)
+    q, k, v = inputs(1, 4, 2, 80, 72, 32, seed=12)
+    ref, tri, trace = traces(q, k, v, "attn_qat_kernel", causal=causal, block_m=32, block_n=16)
+    assert set(tri["product"]) == {"qk", "pv", "out"}
+    compare(ref, tri, trace.calls[0].meta, clipped_elements=32)
+
+
 @pytest.mark.parametrize("recipe", ["nvfp4", "fa4fp4_causal"])
 def test_grouped_query_heads_and_longer_rows(recipe):
     q, k, v = inputs(1, 4, 2, 160, 130, 32, seed=7)
