@@ -5,7 +5,10 @@ them, along each operand's block axis with the recipe's tensor scope, by the fus
 quantizer (`fp4lab.kernels.quantize.quantize`, bit for bit `fp4lab.formats.quantize`), and
 handed to the kernel as bf16 values that are exact (codes times block scales)
 plus fp32 factors per (batch, head) for what bf16 cannot hold (tensor scales, the 1/M_e of an
-alpha grid). P is quantized inside the kernel (`fp4lab.kernels.flash`).
+alpha grid); with tensor_scope=tile (Attn-QAT's kernel) one factor per tile instead, Q's per
+query tile and K's and V's per key tile of the kernel's tiling, each tile's tensor scale taken
+over its rows of one (batch, head), the last tile's padding rows counting as zeros, as the
+simulation cuts it. P is quantized inside the kernel (`fp4lab.kernels.flash`).
 
 SageAttention3's smooth_q splits Q on the host, as the simulation does: Q - M (M each query
 tile's mean, in fp32) is the operand quantized, and the mean's scores M K^T against the
@@ -38,9 +41,9 @@ What the kernels do not cover yet raises `NotImplementedError` naming it, before
 runs: a trace with an explicit reference_dtype, masks other than causal, inputs other than
 bf16/fp16, dropout, the recipe mechanisms `fp4lab.kernels.flash` lists, incoherent
 processing, smooth_q on an unquantized Q (or a cast wider than bf16: Q - M is fp32), and the
-backward's (`check_backward`: Hadamard transforms and 2-D blocks on its operands, fixed
-scales or other block formats on P and dS than the kernel quantizes). Nothing falls back to
-the reference.
+backward's (`check_backward`: tensor_scope=tile, Hadamard transforms and 2-D blocks on its
+operands, two-level P replayed in dV, fixed scales or other block formats on P and dS than
+the kernel quantizes). Nothing falls back to the reference.
 """
 
 from __future__ import annotations

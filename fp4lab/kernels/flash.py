@@ -12,7 +12,7 @@ Q arrives as its quantized Q - M and each query tile's mean scores M_i K^T as on
 
 The algorithm per key tile j (in log2 units, z = scale log2(e) S):
 
-    z = scale log2(e) (Q^_i K^_j^T)            # fp32 accumulate
+    z = scale log2(e) (Q^_i K^_j^T)            # fp32 accumulate, times Q's and K's factors
       (+ scale log2(e) M_i K_j^T)              # smooth_q: Q^ is (Q - M)^, M the tile's mean
     -- update m_i --                           running max, lazy max (FA4) or none
     P = exp2(z - m_i)
@@ -71,8 +71,13 @@ r P as mode 2 does and divides the row's products and sum by r, where the refere
 each element of q(r P) by r: the same values up to that rounding. Its row maximum lands on
 the clip boundary to the last bit, so its trace's clipped count can differ by one per row.
 
+Per-tile tensor scales (tensor_scope=tile, Attn-QAT's kernel; TILE_SCOPE, a compile-time
+flag): the factors arrive one per tile, Q's read once per program (its query tile), K's and
+V's per key tile, the tile's scores multiplied by K's and its P^ V^ by V's before acc adds
+it; without the flag V's one factor per head multiplies the output once, at the end.
+
 What is not here yet (asking for it raises, never falls back): two-level P replayed in the
-backward's dV, tensor_scope=tile (Attn-QAT's kernel), Direct-P's stochastic codes, P blocked
+backward's dV, tensor_scope=tile in the backward, Direct-P's stochastic codes, P blocked
 along the queries, MS-EDEN's stochastic scales, sr_bits above 32 (the words have 32 bits), a
 trace of a stochastic recipe, and attn_mask.
 """
