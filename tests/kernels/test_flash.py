@@ -245,6 +245,20 @@ def test_tile_scope_takes_each_tiles_tensor_scale(causal, sq, sk):
         assert rel(out, want) > 10 * BUDGET, f"{name}: one factor per head passes"
 
 
+@pytest.mark.parametrize("recipe", ["nvfp4", "croissattn"])
+def test_tile_scope_on_other_recipes(recipe):
+    # tensor_scope is a recipe field of its own: NVFP4 with Transformer Engine's arithmetic
+    # (the general quantizer path), and stochastic rounding (croissattn: the uniforms cut into
+    # tiles with the operand, padding rows and all, as the simulation cuts them)
+    changed = dataclasses.replace(
+        resolve_recipe(recipe), name=f"{recipe}_per_tile", tensor_scope="tile"
+    )
+    q, k, v = (_tiles_apart(x, 32) for x in inputs(1, 4, 2, 80, 72, 32, seed=3))
+    tiles = dict(block_m=32, block_n=32, causal=True, generator=7)
+    got = fp4lab.attention(q, k, v, changed, backend="triton", **tiles)
+    assert rel(got, reference_attention(q, k, v, changed, **tiles)) <= BUDGET
+
+
 @pytest.mark.parametrize(
     "recipe, grad, what",
     [("fa3_fp8_paper", False, "incoherent_processing"),
