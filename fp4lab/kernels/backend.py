@@ -457,8 +457,10 @@ def check_backward(
     naming it, before anything runs (no silent fallback); ValueError for blocks of P or dS
     that do not tile `block_m` x `block_n` (when given)."""
     missing = _untransformed_gaps(recipe, _WHOLE_OPERANDS)
-    if recipe.tensor_scope is TensorScope.TILE:
-        missing.append("tensor_scope=tile (per-tile factors in the backward kernels)")
+    if recipe.tensor_scope is TensorScope.TILE and recipe.backward is BackwardMode.FLASH:
+        missing.append(
+            "tensor_scope=tile with backward=flash (its own dO, V, K, Q quantized per tile)"
+        )
     if missing:
         raise NotImplementedError(
             f"recipe {recipe.name!r}: the Triton backward does not run {', '.join(missing)} "
@@ -474,11 +476,13 @@ def check_backward(
 def backward_quantizers(recipe: AttentionRecipe):
     """The in-register quantizers (P in dV, dS in dQ, dS in dK) as `TileQuantizer`s; with the
     straight-through backward (and forward_exact's replay), P in dV takes the forward's
-    quantizer, along the keys."""
+    quantizer, along the keys (two-level P, mode 6, straight through: each row of the
+    backward's normalized P scaled to M_e M_s, as the simulation's `quantize_p`)."""
     from fp4lab.kernels.flash_bwd import TileQuantizer
 
     if recipe.backward is not BackwardMode.FLASH:  # straight through, or the forward's own P^
-        if recipe.p_quant is PQuant.ROW_SCALED:
+        replay = recipe.backward is BackwardMode.FORWARD_EXACT
+        if replay and recipe.p_quant is PQuant.ROW_SCALED:
             raise NotImplementedError(
                 f"recipe {recipe.name!r}: the Triton backward does not replay two-level P "
                 "(p_quant=row_scaled) in dV yet; use backend='reference' (no silent fallback)"
@@ -495,14 +499,15 @@ def backward_quantizers(recipe: AttentionRecipe):
     return dv_p, dq_ds, dk_ds
 
 
-def backward_operands(do, saved: dict, recipe: AttentionRecipe, keys=(None, None)):
+def backward_operands(do, saved: dict, recipe: AttentionRecipe, keys=(None, None), block_m=None):
     """The backward's whole-tensor operands quantized as the recipe says (`_operand`), from
     what the forward saved (`saved`: q, k (smoothed), v as given; the forward's stored Q^,
     K^, V^ and their factors; its output o and lse; Attn-QAT's O' or None; smooth_q's tile
     means q_mean or None, and the softmax scale). `keys`: the (forward, backward) pass keys
     of a stochastic recipe (`fp4lab.formats.streams`). With smooth_q the forward's Q^ is
     Q - M quantized: scores rebuilt from it add M K^T (`mean_scores`), and a dK taking it
-    (straight through) takes Q^ + M, as the simulation does."""
+    (straight through) takes Q^ + M, as the simulation does. `block_m`: the query tiles
+    dO's tensor scales are taken over with tensor_scope=tile (as the simulation's)."""
     from fp4lab.kernels.flash_bwd import BackwardOperands
 
     q, k, v = saved["q"], saved["k"], saved["v"]
@@ -510,7 +515,7 @@ def backward_operands(do, saved: dict, recipe: AttentionRecipe, keys=(None, None
     g = q.shape[1] // k.shape[1]
     fwd_key, key = keys
     do = do.contiguous()
-    do_dv, do_dp = _operand(do, recipe, "dv_do", g, key), _operand(do, recipe, "dp_do", g, key)
+    do_dv, do_dp = (_operand(do, recipe, f, g, key, block_m) for f in ("dv_do", "dp_do"))
     if recipe.backward is BackwardMode.FLASH:
         if recipe.backward_v is BackwardV.FORWARD:  # V^ as the forward represented it
             v_dp = v_hat if recipe.dp_v is None else _operand(
@@ -634,7 +639,8 @@ class _TritonAttention(torch.autograd.Function):
             bufs = trace_buffers(*q.shape[:3], k.shape[2], block_m, block_n, q.device)
         quantizers = backward_quantizers(recipe)
         dq, dk, dv = attention_backward(
-            backward_operands(do, saved, recipe, (fwd_key, key)), *quantizers, causal=causal,
+            backward_operands(do, saved, recipe, (fwd_key, key), block_m), *quantizers,
+            causal=causal,
             sr_keys=backward_stream_keys(recipe, fwd_key, key), trace=bufs,
             scale=scale, block_m=block_m, block_n=block_n, ds_from_dv=recipe.ds_p is DsP.DV_OPERAND,
             m_ref=m_ref if replay else None,

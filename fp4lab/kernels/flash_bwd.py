@@ -95,6 +95,7 @@ from fp4lab.kernels.flash import (
     _p_counts,
     _quantize_p,
     _round,
+    _row_scales,
     _scale_bounds,
     _store_tile_stats,
     _stream_words,
@@ -142,7 +143,7 @@ class TileQuantizer:
     def split(self) -> bool:
         """Whether its values can exceed bf16's 8 significant bits (then `_dot` splits them)."""
         pq = self.pq
-        if pq.MODE == 0:
+        if pq.MODE == 0 or pq.MODE == 6:  # unquantized, or two-level P's q(r P) / r
             return True
         element_bits = round(-math.log2(pq.ELEM[2])) + 1
         if pq.MODE == 2 and pq.RULE == 0:  # scales rounded into a format with mantissa bits
@@ -262,16 +263,27 @@ def _quantize_tile(
         words_t = words
         if SR:
             words_t = tl.trans(words)
+        mag_t = tl.trans(mag)
+        if MODE == 6:  # two-level P: each row of P (along its blocks) scaled to M_e M_s
+            r = _row_scales(mag_t, E_MAX * S_MAX)
+            mag_t = mag_t * r[:, None]
         values, factor = _quantize_p(
-            tl.trans(mag), words_t, COLS, ROWS, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
+            mag_t, words_t, COLS, ROWS, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
             SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, SR, SR_BITS,
         )  # fmt: skip
+        if MODE == 6:  # q(r P) / r, each element, as the reference divides it
+            values = tl.div_rn(values, r[:, None])
         values = tl.trans(values)
     else:
+        if MODE == 6:
+            r = _row_scales(mag, E_MAX * S_MAX)
+            mag = mag * r[:, None]
         values, factor = _quantize_p(
             mag, words, ROWS, COLS, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI,
             S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, SR, SR_BITS,
         )  # fmt: skip
+        if MODE == 6:
+            values = tl.div_rn(values, r[:, None])
     if SIGNED:
         values = tl.where(x < 0.0, -values, values)
     return values, factor
@@ -319,6 +331,11 @@ def _trace_tile(
     mag = x_q
     if SIGNED:
         mag = tl.abs(x_q)
+    if MODE == 6:  # two-level P: its quantizer saw r P, each row of P scaled to M_e M_s
+        if TRANS:
+            mag = mag * _row_scales(tl.trans(mag), E_MAX * S_MAX)[None, :]
+        else:
+            mag = mag * _row_scales(mag, E_MAX * S_MAX)[:, None]
     zero = _sum2(tl.zeros_like(mag))
     if MODE == 4:  # one FP32 scale t = amax / M_e per tile: its ideal scale stays in range
         a = mag * LIFT
@@ -347,8 +364,10 @@ def _trace_tile(
 
 # -- the preprocess: D = rowsum(dO * O) -------------------------------------------------------
 @triton.jit
-def _bwd_preprocess(Out, DO, DOF, Delta, Sq, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """D of one query tile of one (batch, head): rowsum(dO * O) times dO's factor."""
+def _bwd_preprocess(Out, DO, DOF, Delta, Sq, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    TILE_SCOPE: tl.constexpr):
+    """D of one query tile of one (batch, head): rowsum(dO * O) times dO's factor (its
+    query tile's with TILE_SCOPE)."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -358,7 +377,11 @@ def _bwd_preprocess(Out, DO, DOF, Delta, Sq, V_DIM: tl.constexpr, BLOCK_M: tl.co
     ptrs = (row0 + offs_m[:, None]) * V_DIM + offs_dv[None, :]
     o = tl.load(Out + ptrs, mask=rows[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=rows[:, None], other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1) * tl.load(DOF + bh)
+    if TILE_SCOPE:
+        f_do = tl.load(DOF + bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m)
+    else:
+        f_do = tl.load(DOF + bh)
+    delta = tl.sum(o * do, 1) * f_do
     tl.store(Delta + row0 + offs_m, delta, mask=rows)
 
 
@@ -369,9 +392,11 @@ def _dkdv_inner(
     dk, dv, k, v, q_base, qd_base, dov_base, dop_base, lse_base, delta_base, mref_base, n_k,
     key_tile, offs_n, cols, qk_scale, f_dov, f_dp, f_q, Sq, Sk, first, count,
     sr_dv0, sr_dv1, sr_dk0, sr_dk1, batch, head, dvs_base, dks_base, ms_base, qm_base,
+    kf_j, vf_j, qf_base, dovf_base, dopf_base, qdf_base,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
     REPLAY: tl.constexpr, LEAK: tl.constexpr, SMOOTH_Q: tl.constexpr, MEAN_DK: tl.constexpr,
+    TILE_SCOPE: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -401,11 +426,21 @@ def _dkdv_inner(
     and dks_base (n_k key tiles a query tile, N_STATS each). SMOOTH_Q: the scores add
     smooth_q's mean scores (ms_base: Sk fp32 a query tile, log2 units); MEAN_DK: dK's Q^ is
     Q^ + M with M the query tile's mean (qm_base: HEAD_DIM fp32 a query tile), so dK adds
-    the tile's rowsum(dS^T) M^T."""
+    the tile's rowsum(dS^T) M^T. TILE_SCOPE (tensor_scope=tile): the query side's factors
+    are per query tile (qf_base, dovf_base, dopf_base, qdf_base: one fp32 a tile), each
+    tile's taken with the key tile's kf_j (the scores' K) and vf_j (V's) in the per-head
+    path's order; without it
+    qk_scale, f_dov, f_dp and f_q are the head's, already combined."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
         start_m = tl.multiple_of((first + t) * BLOCK_M, BLOCK_M)
+        s_t, f_dov_t, f_dp_t, f_q_t = qk_scale, f_dov, f_dp, f_q
+        if TILE_SCOPE:  # this query tile's factors, in the forward's order
+            s_t = qk_scale * tl.load(qf_base + first + t) * kf_j
+            f_dov_t = tl.load(dovf_base + first + t)
+            f_dp_t = vf_j * tl.load(dopf_base + first + t)
+            f_q_t = tl.load(qdf_base + first + t)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         qt_ptrs = q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None]
         dot_ptrs = dop_base + offs_m[None, :] * V_DIM + offs_dv[:, None]
@@ -419,7 +454,7 @@ def _dkdv_inner(
             qt = tl.load(qt_ptrs)
             lse = tl.load(lse_base + offs_m)
         # -- rebuild P^T from the forward's lse --
-        st = tl.dot(k, qt) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        st = tl.dot(k, qt) * s_t  # (BLOCK_N, BLOCK_M), log2 units
         if SMOOTH_Q:  # + the query tile mean's scores M_i K_j^T, one per key
             ms = tl.load(ms_base + (first + t) * Sk + offs_n, mask=cols, other=0.0)
             st = st + ms[:, None]
@@ -472,7 +507,7 @@ def _dkdv_inner(
             do_v = tl.load(dov_ptrs)
             do_t = tl.load(dot_ptrs)
             delta = tl.load(delta_base + offs_m)
-        dv += _dot(p_dv, do_v, DV_SPLIT) * (f_dv * f_dov)
+        dv += _dot(p_dv, do_v, DV_SPLIT) * (f_dv * f_dov_t)
         if TRACE:  # P as dV consumed it (the replay's P^ from the forward's own P)
             if REPLAY:
                 p_q, z_q = pf, zf
@@ -485,7 +520,7 @@ def _dkdv_inner(
                 DV_LOG2_ME, DV_TRANS, DV_UNDER, DV_OVER,
             )
         # -- dS^T = P^T (dP^T - D) --
-        dpt = tl.dot(v, do_t) * f_dp
+        dpt = tl.dot(v, do_t) * f_dp_t
         if DS_FROM_DV:  # the P dV consumed, as quantized
             dst = (dpt - delta[None, :]) * (p_dv * f_dv)
         else:
@@ -503,7 +538,7 @@ def _dkdv_inner(
             qd = tl.load(qd_ptrs, mask=rows[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM)
         else:
             qd = tl.load(qd_ptrs)
-        dk += _dot(ds_k, qd, DK_SPLIT) * (f_k * f_q)
+        dk += _dot(ds_k, qd, DK_SPLIT) * (f_k * f_q_t)
         if MEAN_DK:  # dS^T (Q^ + M): M is one row for the whole query tile
             m_row = tl.load(qm_base + (first + t) * HEAD_DIM + offs_d)  # (HEAD_DIM,)
             dk += (tl.sum(ds_k, 1) * f_k)[:, None] * m_row[None, :]
@@ -523,7 +558,7 @@ def _attn_bwd_dkdv(
     scale, H, G, Sq, Sk, SRKeys, sr_batch, DVStats, DKStats, MS, QM,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr, REPLAY: tl.constexpr, LEAK: tl.constexpr,
-    SMOOTH_Q: tl.constexpr, MEAN_DK: tl.constexpr,
+    SMOOTH_Q: tl.constexpr, MEAN_DK: tl.constexpr, TILE_SCOPE: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -550,7 +585,9 @@ def _attn_bwd_dkdv(
     and every tile when the key tile is partial, masked; the whole tiles past the band,
     unmasked; a partial last query tile, masked. REPLAY: see `_dkdv_inner` (MRef: the row
     references, (B, H, Sq, n key tiles)); SMOOTH_Q, MEAN_DK too (MS: smooth_q's mean scores
-    (B, H, n_q, Sk), QM: its tile means (B, H, n_q, HEAD_DIM))."""
+    (B, H, n_q, Sk), QM: its tile means (B, H, n_q, HEAD_DIM)). TILE_SCOPE: the factors are
+    per tile, (B, H, n_q) on the query side, (B, Hkv, n_k) on the key side (this key tile's
+    read once)."""
     start_n = tl.program_id(0)
     bhk = tl.program_id(1)
     Hk = H // G
@@ -567,13 +604,17 @@ def _attn_bwd_dkdv(
                 other=0.0)  # (BLOCK_N, HEAD_DIM), the scores' K
     v = tl.load(V + (row0 + offs_n[:, None]) * V_DIM + offs_dv[None, :], mask=cols[:, None],
                 other=0.0)  # (BLOCK_N, V_DIM), V in dP
-    f_k, f_v = tl.load(KF + bhk), tl.load(VF + bhk)
+    n_q = tl.cdiv(Sq, BLOCK_M)
+    n_k = tl.cdiv(Sk, BLOCK_N)
+    if TILE_SCOPE:  # this key tile's factors
+        f_k = tl.load(KF + bhk.to(tl.int64) * n_k + start_n)
+        f_v = tl.load(VF + bhk.to(tl.int64) * n_k + start_n)
+    else:
+        f_k, f_v = tl.load(KF + bhk), tl.load(VF + bhk)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, V_DIM], dtype=tl.float32)
     # the query tiles in three ranges: [lo, a) masked, [a, e) unmasked, [c, n_q) masked
-    n_q = tl.cdiv(Sq, BLOCK_M)
     n_full = Sq // BLOCK_M
-    n_k = tl.cdiv(Sk, BLOCK_N)
     lo = 0
     mid = 0
     if CAUSAL:  # the first tile with a row at or after n0; the first with all rows after the keys
@@ -592,8 +633,13 @@ def _attn_bwd_dkdv(
         q_row0 = bh.to(tl.int64) * Sq
         q_base, qd_base = Q + q_row0 * HEAD_DIM, QD + q_row0 * HEAD_DIM
         dov_base, dop_base = DOV + q_row0 * V_DIM, DOP + q_row0 * V_DIM
-        s_h = qk_scale * tl.load(QF + bh) * f_k  # the forward's order
-        f_dov, f_dp, f_q = tl.load(DOVF + bh), f_v * tl.load(DOPF + bh), tl.load(QDF + bh)
+        if TILE_SCOPE:  # the query side's factors per query tile, in `_dkdv_inner`
+            f_at = bh.to(tl.int64) * n_q
+            s_h, f_dov, f_dp, f_q = qk_scale, f_v, f_v, f_v
+        else:
+            f_at = bh
+            s_h = qk_scale * tl.load(QF + bh) * f_k  # the forward's order
+            f_dov, f_dp, f_q = tl.load(DOVF + bh), f_v * tl.load(DOPF + bh), tl.load(QDF + bh)
         stats_at = (bh.to(tl.int64) * n_q * n_k + start_n) * N_STATS  # query tile 0
         for r in tl.static_range(3):
             if r == 0:
@@ -607,9 +653,10 @@ def _attn_bwd_dkdv(
                 MRef + q_row0 * n_k, n_k, start_n, offs_n, cols, s_h, f_dov, f_dp, f_q, Sq, Sk,
                 first, count, sr_dv0, sr_dv1, sr_dk0, sr_dk1, sr_b, hk * G + g,
                 DVStats + stats_at, DKStats + stats_at, MS + bh.to(tl.int64) * n_q * Sk,
-                QM + bh.to(tl.int64) * n_q * HEAD_DIM,
+                QM + bh.to(tl.int64) * n_q * HEAD_DIM, f_k, f_v, QF + f_at, DOVF + f_at,
+                DOPF + f_at, QDF + f_at,
                 r != 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV, REPLAY, LEAK,
-                SMOOTH_Q, MEAN_DK,
+                SMOOTH_Q, MEAN_DK, TILE_SCOPE,
                 DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
                 DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
                 DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SPLIT, DV_SR, DV_SR_BITS,
@@ -630,9 +677,10 @@ def _attn_bwd_dkdv(
 def _dq_inner(
     dq, q, do_p, lse2, delta, k_base, v_base, kd_base, offs_m, rows, qk_scale, f_dp, Sk,
     first, count, sr_dv0, sr_dv1, sr_dq0, sr_dq1, batch, head, dqs_base, ms_base,
+    kf_base, vf_base, kdf_base,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
-    SMOOTH_Q: tl.constexpr,
+    SMOOTH_Q: tl.constexpr, TILE_SCOPE: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -653,11 +701,20 @@ def _dq_inner(
     MASKED as in `_dkdv_inner`; DV_SR (P^ for dS = P^ (dP - D)), DQ_SR: stochastic rounding by
     the words of their streams (keys sr_dv*, sr_dq*), as in the dK/dV kernel. TRACE: each
     tile's `BACKWARD_STATS` of dS (dQ's) to dqs_base (N_STATS a key tile). SMOOTH_Q: the
-    scores add smooth_q's mean scores of this query tile (ms_base, one fp32 per key)."""
+    scores add smooth_q's mean scores of this query tile (ms_base, one fp32 per key).
+    TILE_SCOPE: the key side's factors per key tile (kf_base, vf_base, kdf_base: one fp32 a
+    tile), qk_scale and f_dp then this query tile's (the softmax scale times Q's factor, dO's
+    factor), and each tile's dS^ K^ takes K^'s factor; without it they are the head's, and
+    K^'s factor multiplies dQ once, at the end."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
         start_n = tl.multiple_of((first + t) * BLOCK_N, BLOCK_N)
+        s_t, f_dp_t, f_kd_t = qk_scale, f_dp, f_dp
+        if TILE_SCOPE:  # this key tile's factors, in the forward's order
+            s_t = qk_scale * tl.load(kf_base + first + t)
+            f_dp_t = tl.load(vf_base + first + t) * f_dp
+            f_kd_t = tl.load(kdf_base + first + t)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt_ptrs = k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None]
         vt_ptrs = v_base + offs_n[None, :] * V_DIM + offs_dv[:, None]
@@ -668,7 +725,7 @@ def _dq_inner(
         else:
             kt = tl.load(kt_ptrs)
         # -- rebuild P from the forward's lse --
-        z = tl.dot(q, kt) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        z = tl.dot(q, kt) * s_t  # (BLOCK_M, BLOCK_N), log2 units
         if SMOOTH_Q:  # + the query tile mean's scores M_i K_j^T, one per key
             if MASKED:
                 z = z + tl.load(ms_base + offs_n, mask=cols, other=0.0)[None, :]
@@ -686,7 +743,7 @@ def _dq_inner(
             vt = tl.load(vt_ptrs, mask=cols[None, :], other=0.0)  # (V_DIM, BLOCK_N)
         else:
             vt = tl.load(vt_ptrs)
-        dp = tl.dot(do_p, vt) * f_dp
+        dp = tl.dot(do_p, vt) * f_dp_t
         if DS_FROM_DV:  # the P dV consumes, as quantized (in the dK/dV kernel)
             words_dv = _words(sr_dv0, sr_dv1, batch, head, offs_m, start_n, BLOCK_M, BLOCK_N,
                               DV_SR, False)  # fmt: skip
@@ -712,7 +769,10 @@ def _dq_inner(
             kd = tl.load(kd_ptrs, mask=cols[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
         else:
             kd = tl.load(kd_ptrs)
-        dq += _dot(ds_q, kd, DQ_SPLIT) * f_q
+        if TILE_SCOPE:
+            dq += _dot(ds_q, kd, DQ_SPLIT) * (f_q * f_kd_t)
+        else:
+            dq += _dot(ds_q, kd, DQ_SPLIT) * f_q
         if TRACE:
             _trace_tile(
                 ds, ds_q * f_q, ds, ds, dqs_base + (first + t) * N_STATS, BLOCK_M, BLOCK_N,
@@ -729,6 +789,7 @@ def _attn_bwd_dq(
     SRKeys, sr_batch, DQStats, MS,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr, SMOOTH_Q: tl.constexpr,
+    TILE_SCOPE: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -750,7 +811,9 @@ def _attn_bwd_dq(
     """dQ of one query tile of one (batch, head), over the key tiles it sees: first the whole
     tiles of visible keys (unmasked, as the forward splits them), then the rest (masked).
     TRACE: DQStats (B H, n_q, n_k, N_STATS) takes each tile's statistics of dS in dQ.
-    SMOOTH_Q: the scores add smooth_q's mean scores MS (B, H, n_q, Sk)."""
+    SMOOTH_Q: the scores add smooth_q's mean scores MS (B, H, n_q, Sk). TILE_SCOPE: the
+    factors per tile, (B, H, n_q) on the query side (this query tile's read once), (B, Hkv,
+    n_k) on the key side (read per key tile in `_dq_inner`)."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -770,8 +833,15 @@ def _attn_bwd_dq(
                    mask=rows[:, None], other=0.0)  # (BLOCK_M, V_DIM), dO in dP
     lse2 = tl.load(LSE + q_row0 + offs_m, mask=rows, other=0.0)
     delta = tl.load(DELTA + q_row0 + offs_m, mask=rows, other=0.0)
-    s_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + bhk)  # the forward's order
-    f_dp = tl.load(VF + bhk) * tl.load(DOPF + bh)
+    if TILE_SCOPE:  # this query tile's factors; the key tiles' in `_dq_inner`
+        f_at = bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m
+        s_scale = qk_scale * tl.load(QF + f_at)
+        f_dp = tl.load(DOPF + f_at)
+        kf_at = bhk.to(tl.int64) * tl.cdiv(Sk, BLOCK_N)
+    else:
+        s_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + bhk)  # the forward's order
+        f_dp = tl.load(VF + bhk) * tl.load(DOPF + bh)
+        kf_at = bhk
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dqs_base = DQStats + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * tl.cdiv(
         Sk, BLOCK_N) * N_STATS
@@ -791,8 +861,9 @@ def _attn_bwd_dq(
             dq, q, do_p, lse2, delta, K + k_row0 * HEAD_DIM, V + k_row0 * V_DIM,
             KD + k_row0 * HEAD_DIM, offs_m, rows, s_scale, f_dp, Sk, first, count,
             sr_dv0, sr_dv1, sr_dq0, sr_dq1, sr_b, h, dqs_base,
-            MS + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * Sk,
-            r == 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV, SMOOTH_Q,
+            MS + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * Sk, KF + kf_at,
+            VF + kf_at, KDF + kf_at,
+            r == 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV, SMOOTH_Q, TILE_SCOPE,
             DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
             DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
             DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SR, DV_SR_BITS,
@@ -801,7 +872,10 @@ def _attn_bwd_dq(
             DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS, DQ_SPLIT, DQ_SR, DQ_SR_BITS,
             TRACE, N_STATS, DQ_UNDER, DQ_OVER,
         )
-    dq = dq * (scale * tl.load(KDF + bhk))
+    if TILE_SCOPE:  # K^'s factors went into each tile's product
+        dq = dq * scale
+    else:
+        dq = dq * (scale * tl.load(KDF + bhk))
     tl.store(DQ + (q_row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=rows[:, None])
 # fmt: on
@@ -857,19 +931,29 @@ def attention_backward(
         tuple(sr_keys), tuple(tq.pq.SR for tq in (dv_p, dq_ds, dk_ds)),
         ("sr_keys[0] (dv_p)", "sr_keys[1] (dq_ds)", "sr_keys[2] (dk_ds)"), B, q.device,
     )  # fmt: skip
-    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
+    tile_scope = qf.dim() == 3  # tensor_scope=tile: factors per tile, (B, H|Hkv, n tiles)
+    n_k = triton.cdiv(Sk, block_n)
+
+    def f32(f: torch.Tensor, n: int) -> torch.Tensor:
+        # a factor as the kernels read it: per head, or per tile (a per-head one repeated)
+        if tile_scope and f.dim() == 2:
+            f = f[..., None].expand(*f.shape, n)  # (B, H|Hkv, n tiles)
+        if f.shape[2:] != ((n,) if tile_scope else ()):
+            raise ValueError(f"factors: one per head or, with the scores' Q per tile, one per "
+                             f"tile ({n} here) expected, got {tuple(f.shape)}")  # fmt: skip
+        return f.to(torch.float32).contiguous()
     # -- D = rowsum(dO * O) --
     delta = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     do_d, do_df = ops.do_delta
     _bwd_preprocess[(triton.cdiv(Sq, block_m), B * H)](
-        ops.o.contiguous(), do_d, f32(do_df), delta, Sq, V_DIM=Dv, BLOCK_M=block_m,
-        enable_fp_fusion=FP_FUSION,
+        ops.o.contiguous(), do_d, f32(do_df, n_q), delta, Sq, V_DIM=Dv, BLOCK_M=block_m,
+        TILE_SCOPE=tile_scope, enable_fp_fusion=FP_FUSION,
     )
     lse = ops.lse.contiguous()
     common = dict(
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        DS_FROM_DV=ds_from_dv, num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=FP_FUSION,
+        DS_FROM_DV=ds_from_dv, TILE_SCOPE=tile_scope, num_warps=num_warps,
+        num_stages=num_stages, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     spare = lse  # a pointer for the buffers an uninstrumented kernel never touches
     shift = spare if ops.mean_scores is None else ops.mean_scores
@@ -892,9 +976,10 @@ def attention_backward(
         dv_constants["DV_SPLIT"] = True
     _launch(
         _attn_bwd_dkdv, (triton.cdiv(Sk, block_n), B * Hk),
-        (q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv, f32(qf),
-         f32(kf), f32(f_dov), f32(f_dop), f32(f_v), f32(f_qd), scale * LOG2E, scale, H, H // Hk,
-         Sq, Sk, *sr_table, stats["dv"], stats["dk"], shift,
+        (q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv,
+         f32(qf, n_q), f32(kf, n_k), f32(f_dov, n_q), f32(f_dop, n_q), f32(f_v, n_k),
+         f32(f_qd, n_q), scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table, stats["dv"],
+         stats["dk"], shift,
          spare if ops.q_dk_mean is None else ops.q_dk_mean),
         dict(REPLAY=m_ref is not None, LEAK=leakage_block, MEAN_DK=ops.q_dk_mean is not None,
              **smooth, **common, **dv_constants,
@@ -905,8 +990,9 @@ def attention_backward(
     kd, f_kd = ops.k_dq
     _launch(
         _attn_bwd_dq, (triton.cdiv(Sq, block_m), B * H),
-        (q, k, v, kd, do_p, lse, delta, dq, f32(qf), f32(kf), f32(f_dop), f32(f_v), f32(f_kd),
-         scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table, stats["dq"], shift),
+        (q, k, v, kd, do_p, lse, delta, dq, f32(qf, n_q), f32(kf, n_k), f32(f_dop, n_q),
+         f32(f_v, n_k), f32(f_kd, n_k), scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table,
+         stats["dq"], shift),
         dict(**smooth, **common, **dv_p.constants("DV", keys_last=True),
              **dq_ds.constants("DQ", keys_last=True), **dq_trace),
     )  # fmt: skip
@@ -952,7 +1038,7 @@ def _launch(kernel, grid: tuple, args: tuple, constants: dict) -> None:
 def check_tiles(block_m: int, block_n: int, **quantizers: TileQuantizer) -> None:
     """Blocks along the keys must tile block_n, along the queries block_m."""
     for field, tq in quantizers.items():
-        if tq.pq.MODE not in (2, 3):
+        if tq.pq.MODE not in (2, 3, 6):
             continue
         size, name = (block_n, "block_n") if tq.along_keys else (block_m, "block_m")
         if size % tq.pq.BLOCK:
