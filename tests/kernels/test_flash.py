@@ -262,12 +262,14 @@ def test_tile_scope_on_other_recipes(recipe):
 @pytest.mark.parametrize(
     "recipe, grad, what",
     [("fa3_fp8_paper", False, "incoherent_processing"),
-     ("attn_qat_kernel", True, "backward does not run tensor_scope=tile")],
-    ids=["fa3_fp8_paper", "attn_qat_kernel-backward"],
+     ("sageattn3_paper", True, "does not replay two-level P")],
+    ids=["fa3_fp8_paper", "replayed-two-level-p"],
 )  # fmt: skip
 def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, grad, what):
-    # attn_qat_kernel's forward runs (per-tile tensor scales); its backward (straight through
-    # the forward's per-tile Q^, K^, V^, and its two-level P in dV) does not yet
+    # the backward refuses before the forward runs (sageattn3_paper's exact gradient of its
+    # forward would replay two-level P in dV)
+    if grad:
+        recipe = resolve_recipe(recipe).with_exact_backward()
     q, k, v = (x.requires_grad_(grad) for x in inputs(1, 1, 1, 32, 32, 32, seed=4))
     with pytest.raises(NotImplementedError, match=what):
         fp4lab.attention(q, k, v, recipe, backend="triton")

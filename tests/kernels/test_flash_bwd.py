@@ -51,7 +51,7 @@ RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "fp8_per_tensor", "fa3_fp8", "fa4fp4_causal",
     "fa4fp4_causal_mxfp8pv", "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64",
     "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "attn_qat_dropin", "flash_bf16",
-    "fa4fp4_directp", "sageattn3_paper",
+    "fa4fp4_directp", "sageattn3_paper", "attn_qat_kernel",
 ]  # fmt: skip
 GRADS = ("dq", "dk", "dv")
 
@@ -197,6 +197,8 @@ MECHANISMS = {
     "attn_qat dq_ds=None": ("attn_qat", dict(dq_ds=None, dk_ds=None)),
     "dv_p along keys": ("nvfp4", dict(block_axes=(("dv_p", -1),))),
     "dq_ds, dk_ds across": ("nvfp4", dict(block_axes=(("dq_ds", -2), ("dk_ds", -1)))),
+    "attn_qat_kernel p_quant=spec": ("attn_qat_kernel", dict(p_quant="spec")),
+    "attn_qat_kernel tensor_scope=head": ("attn_qat_kernel", dict(tensor_scope="head")),
 }
 
 
@@ -413,6 +415,78 @@ def test_direct_p_affine_replayed_in_the_backward(causal):
     plain = dataclasses.replace(recipe, direct_p_affine=None)
     without = gradients(q, k, v, do, plain, "reference", **tiles)
     assert rel(without["dv"], want["dv"]) > 10 * BUDGET  # the map moves dV here
+
+
+def _tiles_apart(x, rows):
+    """x (B, H, S, E) with each tile of `rows` rows scaled by its own magnitude (1, 2.5, 0.5,
+    1.75 in turn), so that a per-tile tensor scale differs from tile to tile."""
+    magnitude = torch.tensor([1.0, 2.5, 0.5, 1.75])[(torch.arange(x.shape[2]) // rows) % 4]
+    return (x.float() * magnitude.to(x.device)[:, None]).to(x.dtype)
+
+
+def _attn_qat_kernel_case(sq, sk, causal):
+    """attn_qat_kernel's inputs: GQA (2 query heads a KV head), ragged tiles on both sides,
+    query and key tiles of different sizes (32, 16), every 16 rows scaled apart."""
+    q, k, v, do = (_tiles_apart(x, 16) for x in inputs(1, 4, 2, sq, sk, 32, seed=sq * sk))
+    return (q, k, v, do), dict(block_m=32, block_n=16, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk", [(80, 72), (40, 100)])
+def test_attn_qat_kernels_gradients_take_per_tile_factors_and_two_level_p(sq, sk, causal):
+    # attn_qat_kernel's straight-through backward, as the simulation's: P rebuilt from the
+    # forward's per-tile Q^, K^ (each tile's scores times its Q and K tiles' factors), dV from
+    # that normalized P quantized as the forward's two-level P (each row of a tile scaled so
+    # its maximum maps to M_e M_s, q(r P) / r), dP on the forward's V^ (per key tile), dQ on
+    # K^, dK on Q^ (each tile's product times its tile's factor), dS in bf16, dO unquantized.
+    # The budget is every recipe's (RECIPES): the kernels multiply tile products by factors
+    # where the simulation multiplies elements, and divide by r after rounding P^ as it does.
+    (q, k, v, do), tiles = _attn_qat_kernel_case(sq, sk, causal)
+    got = gradients(q, k, v, do, "attn_qat_kernel", **tiles)
+    want = gradients(q, k, v, do, "attn_qat_kernel", "reference", **tiles)
+    exact = lambda: gradients(*(x.double() for x in (q, k, v, do)), "exact", "reference", **tiles)  # noqa: E731
+    assert_close(got, want, BUDGET, "attn_qat_kernel", exact)
+
+
+def test_attn_qat_kernels_gradients_fail_with_a_factor_per_head_or_no_row_scale(monkeypatch):
+    # the comparison above can fail: each whole-tensor operand's per-tile factors replaced by
+    # its first tile's (one per head, on the same stored values), or two-level P's row scale
+    # dropped from dV (mode 2 on the unscaled P), moves a gradient past 10x the budget
+    (q, k, v, do), tiles = _attn_qat_kernel_case(80, 72, True)
+    want = gradients(q, k, v, do, "attn_qat_kernel", "reference", **tiles)
+    operands = backend.backward_operands
+    for field in ("q", "k", "v_dp", "k_dq", "q_dk"):
+        def one_per_head(*args, field=field, **kwargs):
+            ops = operands(*args, **kwargs)
+            store, factor = getattr(ops, field)
+            return dataclasses.replace(ops, **{field: (store, factor[..., :1].expand_as(factor))})
+
+        monkeypatch.setattr(backend, "backward_operands", one_per_head)
+        got = gradients(q, k, v, do, "attn_qat_kernel", **tiles)
+        assert max(rel(got[g], want[g]) for g in GRADS) > 10 * BUDGET, f"{field}: per head passes"
+    monkeypatch.setattr(backend, "backward_operands", operands)
+    quantizers = backend.backward_quantizers
+
+    def no_row_scale(recipe):
+        dv_p, dq_ds, dk_ds = quantizers(recipe)
+        return dataclasses.replace(dv_p, pq=dataclasses.replace(dv_p.pq, MODE=2)), dq_ds, dk_ds
+
+    monkeypatch.setattr(backend, "backward_quantizers", no_row_scale)
+    got = gradients(q, k, v, do, "attn_qat_kernel", **tiles)
+    assert rel(got["dv"], want["dv"]) > 10 * BUDGET, "dV without two-level P's row scale passes"
+
+
+@pytest.mark.parametrize("backward", ["forward_exact", "flash"])
+def test_what_attn_qat_kernels_backward_does_not_run_is_refused_by_name(backward):
+    # its exact gradient of the forward would replay two-level P in dV; a flash backward on
+    # its fields would quantize its own dO, V, K, Q per tile: neither runs on the kernels yet
+    q, k, v, do = inputs(1, 1, 1, 32, 32, 32, seed=5)
+    if backward == "forward_exact":
+        recipe, what = resolve_recipe("attn_qat_kernel").with_exact_backward(), "two-level P"
+    else:
+        recipe, what = _variant("attn_qat_kernel", backward="flash"), "backward=flash"
+    with pytest.raises(NotImplementedError, match=what + ".*use backend='reference'"):
+        gradients(q, k, v, do, recipe)
 
 
 def test_two_level_p_replayed_in_the_backward_is_refused_by_name():
