@@ -59,6 +59,7 @@ DS_ATOL, DS_RTOL, DS_ELEMENTS = 1e-4, 2e-2, 32  # dS's columns: see the module d
 RECIPES = [
     "exact", "nvfp4", "mxfp4", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv",
     "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "fa3_fp8", "flash_bf16", "sageattn3_paper",
+    "attn_qat_kernel",
 ]  # fmt: skip
 
 
@@ -157,12 +158,15 @@ def test_a_forward_only_trace_has_the_forward_rows(recipe):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_a_tile_scope_trace_takes_each_tiles_tensor_scale(causal):
-    # attn_qat_kernel (tensor_scope=tile, forward only: its backward is not on the kernels):
-    # Q's, K's and V's columns from operands quantized with a tensor scale per tile, as the
-    # simulation's; two-level P's row maximum on the clip boundary (up to one per row)
+    # attn_qat_kernel (tensor_scope=tile), forward and backward: Q's, K's and V's columns
+    # from operands quantized with a tensor scale per tile, as the simulation's; dV's P the
+    # backward's two-level P, its counts on r P; two-level P's row maximum on the clip
+    # boundary in both passes (up to one per row)
     q, k, v = inputs(1, 4, 2, 80, 72, 32, seed=12)
-    ref, tri, trace = traces(q, k, v, "attn_qat_kernel", causal=causal, block_m=32, block_n=16)
-    assert set(tri["product"]) == {"qk", "pv", "out"}
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q)
+    ref, tri, trace = traces(q, k, v, "attn_qat_kernel", do=do, causal=causal, block_m=32,
+                             block_n=16)  # fmt: skip
+    assert set(tri["product"]) == {"qk", "pv", "dv", "dp", "dq", "dk", "out"}
     compare(ref, tri, trace.calls[0].meta, clipped_elements=32)
 
 
