@@ -41,9 +41,11 @@ What the kernels do not cover yet raises `NotImplementedError` naming it, before
 runs: a trace with an explicit reference_dtype, masks other than causal, inputs other than
 bf16/fp16, dropout, the recipe mechanisms `fp4lab.kernels.flash` lists, incoherent
 processing, smooth_q on an unquantized Q (or a cast wider than bf16: Q - M is fp32), and the
-backward's (`check_backward`: tensor_scope=tile, Hadamard transforms and 2-D blocks on its
-operands, two-level P replayed in dV, fixed scales or other block formats on P and dS than
-the kernel quantizes). Nothing falls back to the reference.
+backward's (`check_backward`: tensor_scope=tile with backward=flash, Hadamard transforms and
+2-D blocks on its operands, two-level P replayed in dV (forward_exact), fixed scales or other
+block formats on P and dS than the kernel quantizes). attn_qat_kernel's straight-through
+backward runs: its per-tile factors (dO's per query tile too) and two-level P in dV.
+Nothing falls back to the reference.
 """
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ V's per key tile, the tile's scores multiplied by K's and its P^ V^ by V's befor
 it; without the flag V's one factor per head multiplies the output once, at the end.
 
 What is not here yet (asking for it raises, never falls back): two-level P replayed in the
-backward's dV, tensor_scope=tile in the backward, Direct-P's stochastic codes, P blocked
+backward's dV (forward_exact), tensor_scope=tile with the flash backward, Direct-P's
+stochastic codes, P blocked
 along the queries, MS-EDEN's stochastic scales, sr_bits above 32 (the words have 32 bits), a
 trace of a stochastic recipe, and attn_mask.
 """

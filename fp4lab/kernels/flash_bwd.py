@@ -55,6 +55,22 @@ forward's own P^ tiles, replayed in the dK/dV kernel from the row reference each
 the forward used (the forward saves them: `attention_forward`'s m_ref) with the forward's P
 quantizer, along the keys.
 
+Two-level P (p_quant=row_scaled, Attn-QAT's kernel; mode 6). The straight-through backward
+quantizes its normalized P as the forward's two-level P does, as the simulation's
+`quantize_p` does: each row of a tile (a query's keys) scaled by r = M_e M_s / its maximum
+(`fp4lab.kernels.flash._row_scales`), quantized as mode 2, and each element of q(r P)
+divided back by its row's r. The forward divides its products by r instead (r runs along
+its output rows); dV's products sum over the queries, so here the division is per element,
+the same quotients as the reference's, and P^ enters dV as two bf16 halves.
+
+Per-tile factors (tensor_scope=tile, Attn-QAT's kernel; TILE_SCOPE, a compile-time flag).
+The whole-tensor operands' factors arrive one per tile, as the forward's do: Q's and dO's
+per query tile, K's and V's per key tile (`fp4lab.kernels.backend._Scope`). Each kernel
+reads its own tile's once and the other side's per tile of its loop; the scores of a tile
+pair take (scale Q's) K's factor in the forward's order, dP V's times dO's, and dQ's product
+K^'s per key tile (per head it multiplies dQ once, at the end). Without the flag the factors
+are per head, read once per program, and no arithmetic changes.
+
 Stochastic rounding. P for dV and dS for dQ and dK round stochastically as the forward's P
 does (`fp4lab.kernels.flash`): each from its own stream (dv_p, dq_ds, dk_ds; the
 straight-through P from the backward pass's P stream, the replayed P^ from the forward's),
@@ -65,7 +81,9 @@ magnitude, as the reference rounds |x| and restores the sign.
 
 What is not here (each refused by `fp4lab.kernels.backend.check_backward` before anything
 runs): Hadamard transforms (so MS-EDEN) and 2-D blocks, fixed scales on P or dS, stochastic
-rounding of a per-tile FP32 scale format, dropout, and a trace of a stochastic recipe.
+rounding of a per-tile FP32 scale format, two-level P replayed (forward_exact), per-tile
+factors with the flash backward (its own dO, V, K, Q quantized per tile), dropout, and a
+trace of a stochastic recipe.
 
 Instrumentation (TRACE, a compile-time flag, off by default). Compiled with it, the dK/dV
 kernel writes each tile's statistics of P in dV and of dS in dK, the dQ kernel those of dS in
@@ -119,8 +137,8 @@ _MODE_BF16 = MODE_BF16  # a cast to bf16 (its grid reaches below fp32's normal r
 @dataclass(frozen=True)
 class TileQuantizer:
     """An operand the backward quantizes tile by tile in registers (P for dV, dS for dQ and for
-    dK): its `PQuantizer` (modes 0-3, plus 4 one FP32 scale per tile and 5 a bf16 cast) and
-    whether its 1-D blocks run along the keys (else along the queries)."""
+    dK): its `PQuantizer` (modes 0-3 and 6, plus 4 one FP32 scale per tile and 5 a bf16
+    cast) and whether its 1-D blocks run along the keys (else along the queries)."""
 
     pq: PQuantizer
     along_keys: bool
@@ -191,7 +209,9 @@ def check_tile_scale(spec: QuantSpec, field: str) -> None:
 class BackwardOperands:
     """The backward's tensors as the kernels read them: each whole-tensor operand as (store,
     factor), store (B, H|Hkv, S, E) contiguous in the kernel's dtype with bf16-exact values,
-    factor fp32 (B, H|Hkv) (`fp4lab.kernels.backend._operand`)."""
+    factor fp32 (B, H|Hkv), or (B, H|Hkv, n tiles) with tensor_scope=tile (the scores' Q's
+    says which; a per-head factor among per-tile ones is repeated per tile)
+    (`fp4lab.kernels.backend._operand`)."""
 
     q: tuple  # the scores' Q (the forward's Q^, or Q)
     k: tuple  # the scores' K
@@ -429,8 +449,7 @@ def _dkdv_inner(
     the tile's rowsum(dS^T) M^T. TILE_SCOPE (tensor_scope=tile): the query side's factors
     are per query tile (qf_base, dovf_base, dopf_base, qdf_base: one fp32 a tile), each
     tile's taken with the key tile's kf_j (the scores' K) and vf_j (V's) in the per-head
-    path's order; without it
-    qk_scale, f_dov, f_dp and f_q are the head's, already combined."""
+    path's order; without it qk_scale, f_dov, f_dp and f_q are the head's, combined."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
