@@ -431,6 +431,12 @@ def _attn_qat_kernel_case(sq, sk, causal):
     return (q, k, v, do), dict(block_m=32, block_n=16, causal=causal)
 
 
+# attn_qat_kernel with its dO quantized too (NVFP4, two-level: a tensor scale per query tile,
+# as the simulation takes a query-side operand's), D from the output and dO, or from dO^
+QUANTIZED_DO = dict(dv_do="nvfp4", dp_do="nvfp4")
+QUANTIZED_DO_DELTA = dict(QUANTIZED_DO, delta="quantized_do")
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk", [(80, 72), (40, 100)])
 def test_attn_qat_kernels_gradients_take_per_tile_factors_and_two_level_p(sq, sk, causal):
@@ -448,21 +454,33 @@ def test_attn_qat_kernels_gradients_take_per_tile_factors_and_two_level_p(sq, sk
     assert_close(got, want, BUDGET, "attn_qat_kernel", exact)
 
 
-def test_attn_qat_kernels_gradients_fail_with_a_factor_per_head_or_no_row_scale(monkeypatch):
-    # the comparison above can fail: each whole-tensor operand's per-tile factors replaced by
-    # its first tile's (one per head, on the same stored values), or two-level P's row scale
-    # dropped from dV (mode 2 on the unscaled P), moves a gradient past 10x the budget
+@pytest.mark.parametrize("fields", [QUANTIZED_DO, QUANTIZED_DO_DELTA], ids=["do", "do-delta"])
+def test_attn_qat_kernels_gradients_with_do_quantized_per_query_tile(fields):
     (q, k, v, do), tiles = _attn_qat_kernel_case(80, 72, True)
-    want = gradients(q, k, v, do, "attn_qat_kernel", "reference", **tiles)
+    recipe = _variant("attn_qat_kernel", **fields)
+    got = gradients(q, k, v, do, recipe, **tiles)
+    assert_close(got, gradients(q, k, v, do, recipe, "reference", **tiles), BUDGET, recipe.name)
+    own = gradients(q, k, v, do, "attn_qat_kernel", "reference", **tiles)
+    assert max(rel(got[g], own[g]) for g in GRADS) > 2 * BUDGET  # dO^ moves the gradients
+
+
+def test_attn_qat_kernels_gradients_fail_with_a_factor_per_head_or_no_row_scale(monkeypatch):
+    # the comparisons above can fail: each whole-tensor operand's per-tile factors replaced by
+    # its first tile's (one per head, on the same stored values), or two-level P's row scale
+    # dropped from dV (mode 2 on the unscaled P), moves a gradient past 10x the budget (dO
+    # quantized, so that its factors differ from tile to tile too)
+    (q, k, v, do), tiles = _attn_qat_kernel_case(80, 72, True)
+    recipe = _variant("attn_qat_kernel", **QUANTIZED_DO_DELTA)
+    want = gradients(q, k, v, do, recipe, "reference", **tiles)
     operands = backend.backward_operands
-    for field in ("q", "k", "v_dp", "k_dq", "q_dk"):
+    for field in ("q", "k", "v_dp", "k_dq", "q_dk", "do_dv", "do_dp", "do_delta"):
         def one_per_head(*args, field=field, **kwargs):
             ops = operands(*args, **kwargs)
             store, factor = getattr(ops, field)
             return dataclasses.replace(ops, **{field: (store, factor[..., :1].expand_as(factor))})
 
         monkeypatch.setattr(backend, "backward_operands", one_per_head)
-        got = gradients(q, k, v, do, "attn_qat_kernel", **tiles)
+        got = gradients(q, k, v, do, recipe, **tiles)
         assert max(rel(got[g], want[g]) for g in GRADS) > 10 * BUDGET, f"{field}: per head passes"
     monkeypatch.setattr(backend, "backward_operands", operands)
     quantizers = backend.backward_quantizers
@@ -472,7 +490,7 @@ def test_attn_qat_kernels_gradients_fail_with_a_factor_per_head_or_no_row_scale(
         return dataclasses.replace(dv_p, pq=dataclasses.replace(dv_p.pq, MODE=2)), dq_ds, dk_ds
 
     monkeypatch.setattr(backend, "backward_quantizers", no_row_scale)
-    got = gradients(q, k, v, do, "attn_qat_kernel", **tiles)
+    got = gradients(q, k, v, do, recipe, **tiles)
     assert rel(got["dv"], want["dv"]) > 10 * BUDGET, "dV without two-level P's row scale passes"
 
 
