@@ -299,8 +299,14 @@ def _watch(ranks: _Ranks, what: str):
     def report() -> None:
         start, after = time.monotonic(), _FIRST_REPORT_S
         while not done.wait(max(0.0, start + after - time.monotonic())):
-            tqdm.write(f"{what} for {_duration(time.monotonic() - start)} (at "
-                       f"{_line_of(caller)})", file=sys.stderr)
+            line = (f"{what} for {_duration(time.monotonic() - start)} (at "
+                    f"{_line_of(caller)})\n")
+            # one write of the whole line (below PIPE_BUF: atomic on a pipe), so that the
+            # ranks' reports, sharing torchrun's stderr, never interleave within a line
+            # (tqdm.write writes the text and its newline apart)
+            with tqdm.external_write_mode(file=sys.stderr):
+                sys.stderr.write(line)
+                sys.stderr.flush()
             after *= 2
 
     watcher = threading.Thread(target=report, name="fp4lab-watch", daemon=True)
