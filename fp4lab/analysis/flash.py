@@ -534,11 +534,19 @@ class _FlashAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
+def incoherent_qk(q, k, recipe: AttentionRecipe):
+    """(Q H, K H) with incoherent processing, H the random-sign Hadamard matrix along head_dim
+    (FlashAttention-3, Sec. 3.3: (Q H)(K H)^T = Q K^T), in float64 rounded once to the inputs'
+    dtype (differentiable torch ops); (q, k) without it. The Triton backend calls it too."""
+    if not recipe.incoherent_processing:
+        return q, k
+    h = hadamard_matrix(q.shape[-1], recipe.incoherent_seed, torch.float64).to(q.device)
+    return (q.to(torch.float64) @ h).to(q.dtype), (k.to(torch.float64) @ h).to(k.dtype)
+
+
 def _transform_qk(q, k, recipe: AttentionRecipe):
     """Softmax-invariant rewrites applied before the kernel (differentiable torch ops)."""
-    if recipe.incoherent_processing:  # FlashAttention-3, Sec. 3.3: (Q H)(K H)^T = Q K^T
-        h = hadamard_matrix(q.shape[-1], recipe.incoherent_seed, torch.float64).to(q.device)
-        q, k = (q.to(torch.float64) @ h).to(q.dtype), (k.to(torch.float64) @ h).to(k.dtype)
+    q, k = incoherent_qk(q, k, recipe)
     if recipe.smooth_k is SmoothK.PER_HEAD:  # SageAttention: each row of S shifts by q_i . mean(K)
         k = k - k.mean(dim=-2, keepdim=True)
     elif recipe.smooth_k is SmoothK.GLOBAL:  # FastVideo's Attn-QAT kernel: one vector for all

@@ -93,8 +93,6 @@ def check_recipe(recipe: AttentionRecipe) -> None:
     from fp4lab.kernels.flash import check_direct_p, check_p
 
     missing = []
-    if recipe.incoherent_processing:
-        missing.append("incoherent_processing")
     if recipe.smooth_q and not _bf16_exact(recipe.q):
         missing.append(
             f"smooth_q with q={getattr(recipe.q, 'name', None)} (Q minus its tile means is "
@@ -102,7 +100,7 @@ def check_recipe(recipe: AttentionRecipe) -> None:
         )
     if recipe.block_axis("p") != -1:
         missing.append("p blocked along the queries (block_axes; the kernel blocks P along keys)")
-    missing += _untransformed_gaps(recipe, ("q", "k", "v"))
+    missing += _untransformed_gaps(recipe, ("q", "k", "v"), tiles_2d=True)
     if missing:
         raise NotImplementedError(
             f"recipe {recipe.name!r}: the Triton kernels do not run {', '.join(missing)} yet; "
@@ -122,17 +120,64 @@ def _bf16_exact(spec) -> bool:
     return spec is not None
 
 
-def _untransformed_gaps(recipe: AttentionRecipe, fields) -> list[str]:
+def _untransformed_gaps(recipe: AttentionRecipe, fields, tiles_2d: bool = False) -> list[str]:
     """The whole-tensor operands among `fields` in a block format the kernels' quantizer path
-    does not take (a Hadamard transform or 2-D blocks), each named."""
+    does not take (a Hadamard transform or 2-D blocks; with `tiles_2d` the forward's 2-D
+    tiles with one FP32 scale each, `_tile_factored`, are taken), each named."""
     missing = []
     for field in fields:
         spec = getattr(recipe, field)
-        if isinstance(spec, QuantSpec) and (
-            spec.hadamard or spec.block is not None and len(spec.block) == 2
-        ):
+        if not isinstance(spec, QuantSpec):
+            continue
+        two_d = spec.block is not None and len(spec.block) == 2
+        if spec.hadamard or two_d and not (tiles_2d and _tile_factored(spec)):
             missing.append(f"{field} in {spec.name} (Hadamard or 2-D blocks)")
     return missing
+
+
+def _tile_factored(spec: QuantSpec) -> bool:
+    """Whether `spec` has 2-D tiles with one FP32 scale each and codes exact in bf16 (FP8
+    E4M3 per 128 x 256 tile, FlashAttention-3's paper): where a tile spans the whole head_dim
+    and whole kernel tiles of rows (`tile_geometry_gap`), its scale is a per-tile factor."""
+    if spec.block is None or len(spec.block) != 2 or spec.scale != FP32:
+        return False
+    if spec.tensor_scale or spec.hadamard or spec.stochastic or spec.scale_rule.alpha_grid:
+        return False
+    return _bf16_exact(spec.element)
+
+
+def tile_geometry_gap(recipe: AttentionRecipe, field: str, rows: int, width: int) -> str | None:
+    """What keeps operand `field`'s 2-D tiles from being per-tile factors of kernel tiles of
+    `rows` rows (block_m for Q, block_n for K, V) over a head_dim of `width`, or None: each
+    tile must span the whole head_dim and a whole number of kernel tiles along the sequence.
+    A (r, c) tile is r sequence rows by c head columns for Q, K and V alike (the simulation
+    lays 2-D tiles on the natural layout, `fp4lab.analysis.quantizers._block_quantize`)."""
+    spec = getattr(recipe, field)
+    along, across = spec.block
+    if across < width or along % rows:
+        return (
+            f"{field} in {spec.name} with {along}-row tiles {across} wide over kernel tiles of "
+            f"{rows} rows and head_dim {width} (a tile must span the whole head_dim and a "
+            "whole number of kernel tiles)"
+        )
+    return None
+
+
+def check_tile_scales(recipe: AttentionRecipe, block_m: int, block_n: int, d: int, dv: int):
+    """Raise NotImplementedError naming the forward operands whose 2-D tile scales do not line
+    up with the kernel's tiles (`tile_geometry_gap`)."""
+    widths = dict(q=(block_m, d), k=(block_n, d), v=(block_n, dv))
+    gaps = [
+        tile_geometry_gap(recipe, f, *widths[f])
+        for f in ("q", "k", "v")
+        if isinstance(getattr(recipe, f), QuantSpec) and _tile_factored(getattr(recipe, f))
+    ]
+    gaps = [g for g in gaps if g is not None]
+    if gaps:
+        raise NotImplementedError(
+            f"recipe {recipe.name!r}: the Triton kernels do not run {', '.join(gaps)} yet; "
+            "use backend='reference' (no silent fallback)"
+        )
 
 
 def _check_call(q, k, v, trace, attn_mask) -> None:
@@ -192,6 +237,8 @@ def _operand(
         return round_to_format(x.float(), spec).to(_store_dtype(x)).contiguous(), ones
     from fp4lab.kernels.quantize import fake_quantize, quantize
 
+    if _tile_factored(spec):
+        return _tile_operand(x, recipe, field, rows)
     view = scope.view(x)
     where = dict(axis=recipe.block_axis(field), batch_dims=scope.batch_dims)
     if _one_pass(spec):  # codes times block scales in one fused pass
@@ -225,6 +272,21 @@ def _operand(
         factor = factor * scope.factor(qt.tensor_scale)
     store = scope.back(codes * scales).to(_store_dtype(x))
     return store.contiguous(), factor
+
+
+def _tile_operand(x: torch.Tensor, recipe: AttentionRecipe, field: str, rows: int):
+    """(store, factor) of an operand in 2-D tiles with one FP32 scale each (`_tile_factored`):
+    the E4M3 codes as bf16 values and each kernel tile's scale, (B, H, n tiles), quantized
+    by `fp4lab.formats.quantize` itself over the whole tensor on its natural layout (axis -1,
+    whatever the operand's block axis), as the simulation does."""
+    from fp4lab.formats import quantize as quantize_reference
+
+    gap = tile_geometry_gap(recipe, field, rows, x.shape[-1])
+    if gap is not None:
+        raise NotImplementedError(f"recipe {recipe.name!r}: the Triton kernels do not run {gap}")
+    qt = quantize_reference(x.float(), getattr(recipe, field), axis=-1)
+    factor = qt.expanded_scales()[:, :, ::rows, 0].float().contiguous()  # (B, H, n tiles)
+    return qt.element_values().to(_store_dtype(x)).contiguous(), factor
 
 
 class _Scope:
@@ -341,7 +403,7 @@ def _per_head(scale: torch.Tensor, b: int, h: int, groups: int) -> torch.Tensor:
 
 def prepare(q, k, v, recipe: AttentionRecipe, block_m: int, block_n: int):
     """(q, k, v, factors) as the kernel reads them with tiles of `block_m` queries and
-    `block_n` keys: K smoothed as the recipe says, each operand quantized (`_operand`), V
+    `block_n` keys: Q and K rotated (`incoherent`) and K smoothed as the recipe says, each operand quantized (`_operand`), V
     key-major E4M3 where P V runs on the FP8 tensor cores. Not for smooth_q, whose Q and
     scores depend on block_m (`smooth_q`, `mean_scores`)."""
     if recipe.smooth_q:
@@ -349,10 +411,28 @@ def prepare(q, k, v, recipe: AttentionRecipe, block_m: int, block_n: int):
             f"recipe {recipe.name!r}: prepare does not split Q for smooth_q; use attention"
         )
     tiles = (block_m, block_n)
+    q, k = incoherent(q, k, recipe)
     qs, ks, vs, factors = quantize_operands(q, smooth_k(k, recipe), v, recipe, tiles=tiles)
     if _fp8_pv(recipe, block_n):
         vs = _key_major_fp8(vs)
     return qs, ks, vs, factors
+
+
+def incoherent(q, k, recipe: AttentionRecipe):
+    """(Q H, K H) with incoherent processing: the simulation's own transform, bit for bit
+    (`fp4lab.analysis.flash.incoherent_qk`), run outside the autograd Function as torch ops;
+    a head_dim other than a power of two is a ValueError, as there."""
+    if not recipe.incoherent_processing:
+        return q, k
+    from fp4lab.analysis.flash import incoherent_qk
+
+    d = q.shape[-1]
+    if d & (d - 1) or d < 2:
+        raise ValueError(
+            f"head_dim={d}: recipe {recipe.name!r} rotates Q and K by a Hadamard matrix, "
+            "which needs a power of two"
+        )
+    return incoherent_qk(q, k, recipe)
 
 
 def smooth_k(k, recipe: AttentionRecipe):
@@ -409,6 +489,12 @@ def quantize_operands(q, k, v, recipe: AttentionRecipe, key: int | None = None, 
         _operand(k, recipe, "k", 1, key, bn),
         _operand(v, recipe, "v", 1, key, bn),
     )
+    if any(f.ndim == 3 for f in (qf, kf, vf)):  # per-tile factors: per-head ones over tiles
+        n_q, n_k = -(-q.shape[2] // bm), -(-k.shape[2] // bn)
+        qf, kf, vf = (
+            f if f.ndim == 3 else f[:, :, None].expand(*f.shape, n).contiguous()
+            for f, n in ((qf, n_q), (kf, n_k), (vf, n_k))
+        )
     return qs, ks, vs, (qf, kf, vf)
 
 
@@ -720,9 +806,11 @@ def attention(
             f"{q.shape[0]} into equal chunks"
         )
     block_m, block_n = recipe.tiles(block_m, block_n)
+    check_tile_scales(recipe, block_m, block_n, q.shape[-1], v.shape[-1])
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         check_backward(recipe, block_m, block_n)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q, k = incoherent(q, k, recipe)
     k = smooth_k(k, recipe)
     return _TritonAttention.apply(
         q, k, v, recipe, bool(causal), scale, block_m, block_n, gen, trace
