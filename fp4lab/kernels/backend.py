@@ -403,9 +403,9 @@ def _per_head(scale: torch.Tensor, b: int, h: int, groups: int) -> torch.Tensor:
 
 def prepare(q, k, v, recipe: AttentionRecipe, block_m: int, block_n: int):
     """(q, k, v, factors) as the kernel reads them with tiles of `block_m` queries and
-    `block_n` keys: Q and K rotated (`incoherent`) and K smoothed as the recipe says, each operand quantized (`_operand`), V
-    key-major E4M3 where P V runs on the FP8 tensor cores. Not for smooth_q, whose Q and
-    scores depend on block_m (`smooth_q`, `mean_scores`)."""
+    `block_n` keys: Q and K rotated (`incoherent`) and K smoothed as the recipe says, each
+    operand quantized (`_operand`), V key-major E4M3 where P V runs on the FP8 tensor cores.
+    Not for smooth_q, whose Q and scores depend on block_m (`smooth_q`, `mean_scores`)."""
     if recipe.smooth_q:
         raise NotImplementedError(
             f"recipe {recipe.name!r}: prepare does not split Q for smooth_q; use attention"

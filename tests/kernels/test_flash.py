@@ -44,7 +44,7 @@ RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "mxfp4_alpha_ceil", "nvfp4_ue5m3",
     "fa4fp4_causal", "fa3_fp8", "attn_qat", "fa4fp4_causal_mxfp8pv", "fp8_per_tensor",
     "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64", "flash_bf16", "sageattn3",
-    "fa4fp4_directp", "sageattn3_paper", "attn_qat_kernel",
+    "fa4fp4_directp", "sageattn3_paper", "attn_qat_kernel", "fa3_fp8_paper",
 ]  # fmt: skip
 
 
@@ -259,11 +259,64 @@ def test_tile_scope_on_other_recipes(recipe):
     assert rel(got, reference_attention(q, k, v, changed, **tiles)) <= BUDGET
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, block", [(32, 32), (64, 64)], ids=["d32-tiles32", "d64-tiles64"])
+def test_fa3_fp8_paper_rotates_and_scales_each_tile(causal, d, block):
+    # FlashAttention-3's paper recipe: Q and K rotated by the simulation's own Hadamard, then
+    # FP8 E4M3 with one FP32 scale per 128-row tile of each head (whole head_dim), which is
+    # a per-tile factor of kernel tiles of 32 or 64 rows (several kernel tiles a 2-D tile);
+    # GQA (2 query heads a KV head), ragged last tiles, 128-row tiles scaled apart. The same
+    # budget as every recipe's. Dropping the Hadamard on one side (Q or K stored unrotated)
+    # or taking one scale per head instead (each head's first tile's) lands far outside it.
+    from fp4lab.kernels import backend
+
+    recipe, tiles = resolve_recipe("fa3_fp8_paper"), dict(block_m=block, block_n=block)
+    plain = dataclasses.replace(recipe, name="unrotated", incoherent_processing=False)
+    q, k, v = (_tiles_apart(x, 128) for x in inputs(1, 4, 2, 200, 300, d, seed=d + causal))
+    got = fp4lab.attention(q, k, v, recipe, causal=causal, backend="triton", **tiles)
+    want = reference_attention(q, k, v, recipe, causal=causal, **tiles)
+    exact = reference_attention(q.double(), k.double(), v.double(), causal=causal, **tiles)
+    diff, own = rel(got, want), rel(want, exact)
+    assert diff <= BUDGET, f"kernel vs simulation {diff:.2e} (recipe's error {own:.2e})"
+    qs, ks, vs, factors = backend.prepare(q, k, v, recipe, **tiles)
+    qu, ku, _, (qfu, kfu, _) = backend.prepare(q, k, v, plain, **tiles)
+    n_q, n_k = -(-200 // block), -(-300 // block)
+    assert [f.shape[-1] for f in factors] == [n_q, n_k, n_k]
+    run = dict(pq=backend.p_quantizer(recipe), causal=causal, scale=d**-0.5, **tiles,
+               **backend.forward_options(recipe, causal, v))  # fmt: skip
+    (qf, kf, vf) = factors
+    broken = {
+        "q unrotated": ((qu, ks, vs), (qfu, kf, vf)),
+        "k unrotated": ((qs, ku, vs), (qf, kfu, vf)),
+        **{f"{name} per head": ((qs, ks, vs), [f[..., :1].expand_as(f) if j == i else f
+                                               for j, f in enumerate(factors)])
+           for i, name in enumerate("qkv")},
+    }  # fmt: skip
+    for what, (operands, fs) in broken.items():
+        out = flash.attention_forward(*operands, fs, **run)[0].to(q.dtype)
+        assert rel(out, want) > 10 * BUDGET, f"{what} passes"
+
+
+@pytest.mark.parametrize(
+    "tiles, spec_block, what",
+    [(dict(block_m=256, block_n=128), None, "whole number of kernel tiles"),
+     (dict(block_m=32, block_n=32), (128, 16), "span the whole head_dim")],
+    ids=["query-tiles-past-a-2d-tile", "2d-tile-narrower-than-head-dim"],
+)  # fmt: skip
+def test_fa3_fp8_paper_tiles_that_do_not_line_up_are_refused(tiles, spec_block, what):
+    recipe = resolve_recipe("fa3_fp8_paper")
+    if spec_block is not None:
+        narrow = dataclasses.replace(recipe.k, name="fp8_e4m3_tile128x16", block=spec_block)
+        recipe = dataclasses.replace(recipe, name="narrow", k=narrow)
+    q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)
+    with pytest.raises(NotImplementedError, match=what):
+        fp4lab.attention(q, k, v, recipe, backend="triton", **tiles)
+
+
 @pytest.mark.parametrize(
     "recipe, grad, what",
-    [("fa3_fp8_paper", False, "incoherent_processing"),
-     ("sageattn3_paper", True, "does not replay two-level P")],
-    ids=["fa3_fp8_paper", "replayed-two-level-p"],
+    [("sageattn3_paper", True, "does not replay two-level P")],
+    ids=["replayed-two-level-p"],
 )  # fmt: skip
 def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, grad, what):
     # the backward refuses before the forward runs (sageattn3_paper's exact gradient of its

@@ -51,7 +51,7 @@ RECIPES = [
     "exact", "nvfp4", "nvfp4_1level", "mxfp4", "fp8_per_tensor", "fa3_fp8", "fa4fp4_causal",
     "fa4fp4_causal_mxfp8pv", "fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64",
     "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "attn_qat_dropin", "flash_bf16",
-    "fa4fp4_directp", "sageattn3_paper", "attn_qat_kernel",
+    "fa4fp4_directp", "sageattn3_paper", "attn_qat_kernel", "fa3_fp8_paper",
 ]  # fmt: skip
 GRADS = ("dq", "dk", "dv")
 
