@@ -18,6 +18,14 @@ tile's scores in the kernels; the backward rebuilds its scores the same way wher
 the forward's Q^ (backward_p=quantized_qk), and a dK on the forward's Q^ (straight through,
 forward_exact) takes (Q - M)^ + M, as the simulation's.
 
+Incoherent processing (FlashAttention-3's paper, `fa3_fp8_paper`) rotates Q and K on the host
+by the simulation's own transform (`fp4lab.analysis.flash.incoherent_qk`, bit for bit) as
+torch ops outside the autograd Function, so the gradients go through the rotation as the
+simulation's do. A format of 2-D tiles with one FP32 scale each and codes exact in bf16
+(`fp8_e4m3_tile128`: E4M3 per 128 rows by the whole head_dim) is stored as its codes with
+each kernel tile's scale as a per-tile factor (the kernels' TILE_SCOPE), which holds where a
+2-D tile spans the whole head_dim and a whole number of kernel tiles (`tile_geometry_gap`).
+
 The backward (`fp4lab.kernels.flash_bwd`, through the autograd Function here) quantizes its
 whole-tensor operands the same way, as the recipe's backward fields say (dO for dV and for
 dP, V, K and Q for dP, dQ and dK; or the forward's Q^, K^, V^ for the straight-through and
@@ -39,11 +47,12 @@ from the host, which are not written); uninstrumented calls compile the kernel w
 
 What the kernels do not cover yet raises `NotImplementedError` naming it, before anything
 runs: a trace with an explicit reference_dtype, masks other than causal, inputs other than
-bf16/fp16, dropout, the recipe mechanisms `fp4lab.kernels.flash` lists, incoherent
-processing, smooth_q on an unquantized Q (or a cast wider than bf16: Q - M is fp32), and the
-backward's (`check_backward`: tensor_scope=tile with backward=flash, Hadamard transforms and
-2-D blocks on its operands, two-level P replayed in dV (forward_exact), fixed scales or other
-block formats on P and dS than the kernel quantizes). attn_qat_kernel's straight-through
+bf16/fp16, dropout, the recipe mechanisms `fp4lab.kernels.flash` lists, 2-D tiles that do not
+line up with the kernel's tiles (narrower than head_dim, or splitting a kernel tile), smooth_q
+on an unquantized Q (or a cast wider than bf16: Q - M is fp32), and the backward's
+(`check_backward`: tensor_scope=tile with backward=flash, Hadamard transforms and 2-D blocks
+on its operands, two-level P replayed in dV (forward_exact), fixed scales or other block
+formats on P and dS than the kernel quantizes). attn_qat_kernel's straight-through
 backward runs: its per-tile factors (dO's per query tile too) and two-level P in dV.
 Nothing falls back to the reference.
 """
