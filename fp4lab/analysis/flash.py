@@ -76,7 +76,7 @@ from fp4lab.analysis.tiling import (
     times_key,
     zero_skipped,
 )
-from fp4lab.formats import as_generator, hadamard_matrix
+from fp4lab.formats import as_generator
 from fp4lab.recipes import (
     AttentionRecipe,
     BackwardMode,
@@ -91,6 +91,7 @@ from fp4lab.recipes import (
     TraceCall,
     resolve_recipe,
 )
+from fp4lab.recipes.transforms import incoherent_qk
 
 __all__ = ["attention", "patch_sdpa"]
 
@@ -532,16 +533,6 @@ class _FlashAttention(torch.autograd.Function):
         dq, dk, dv = _backward(do, fwd)
         allocator.trim(do.device, scores)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
-def incoherent_qk(q, k, recipe: AttentionRecipe):
-    """(Q H, K H) with incoherent processing, H the random-sign Hadamard matrix along head_dim
-    (FlashAttention-3, Sec. 3.3: (Q H)(K H)^T = Q K^T), in float64 rounded once to the inputs'
-    dtype (differentiable torch ops); (q, k) without it. The Triton backend calls it too."""
-    if not recipe.incoherent_processing:
-        return q, k
-    h = hadamard_matrix(q.shape[-1], recipe.incoherent_seed, torch.float64).to(q.device)
-    return (q.to(torch.float64) @ h).to(q.dtype), (k.to(torch.float64) @ h).to(k.dtype)
 
 
 def _transform_qk(q, k, recipe: AttentionRecipe):

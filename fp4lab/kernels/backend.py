@@ -19,7 +19,7 @@ the forward's Q^ (backward_p=quantized_qk), and a dK on the forward's Q^ (straig
 forward_exact) takes (Q - M)^ + M, as the simulation's.
 
 Incoherent processing (FlashAttention-3's paper, `fa3_fp8_paper`) rotates Q and K on the host
-by the simulation's own transform (`fp4lab.analysis.flash.incoherent_qk`, bit for bit) as
+by the simulation's own transform (`fp4lab.recipes.transforms.incoherent_qk`, bit for bit) as
 torch ops outside the autograd Function, so the gradients go through the rotation as the
 simulation's do. A format of 2-D tiles with one FP32 scale each and codes exact in bf16
 (`fp8_e4m3_tile128`: E4M3 per 128 rows by the whole head_dim) is stored as its codes with
@@ -429,11 +429,11 @@ def prepare(q, k, v, recipe: AttentionRecipe, block_m: int, block_n: int):
 
 def incoherent(q, k, recipe: AttentionRecipe):
     """(Q H, K H) with incoherent processing: the simulation's own transform, bit for bit
-    (`fp4lab.analysis.flash.incoherent_qk`), run outside the autograd Function as torch ops;
+    (`fp4lab.recipes.transforms.incoherent_qk`), run outside the autograd Function as torch ops;
     a head_dim other than a power of two is a ValueError, as there."""
     if not recipe.incoherent_processing:
         return q, k
-    from fp4lab.analysis.flash import incoherent_qk
+    from fp4lab.recipes.transforms import incoherent_qk
 
     d = q.shape[-1]
     if d & (d - 1) or d < 2:
