@@ -466,6 +466,23 @@ def _block_scales(
 
 
 @triton.jit
+def _scaled_blocks(blocks, factor, divisor, RULE: tl.constexpr, ARITH: tl.constexpr,
+                   S_UNIT: tl.constexpr, SQ_LO: tl.constexpr):
+    """The elements of (rows, n blocks, QBLOCK) blocks over their scales as `_quantize_p`
+    rounds them (and `_p_counts` recounts them): divided by the rounded scale where the
+    reference divides (EXACT or DIVIDE_UNROUNDED with the NEAREST rule; the IEEE quotient,
+    `_div_by_short` where the scale is short enough), else times the block factor."""
+    if (ARITH == 0 or ARITH == 3) and RULE == 0:
+        den = tl.where(divisor == 0.0, 1.0, divisor)[:, :, None]
+        if ARITH == 0 and S_UNIT >= 0.125 and SQ_LO * S_UNIT >= 1.1754943508222875e-38:
+            scaled = _div_by_short(blocks, den)
+        else:
+            scaled = tl.div_rn(blocks, den)
+        return tl.where(divisor[:, :, None] == 0.0, 0.0, scaled)
+    return blocks * factor[:, :, None]
+
+
+@triton.jit
 def _quantize_p(
     p,
     words,
@@ -522,18 +539,7 @@ def _quantize_p(
         TENSOR,
         EMAX_E,
     )
-    if ARITH == 0 or ARITH == 3:
-        if RULE == 0:
-            den = tl.where(divisor == 0.0, 1.0, divisor)[:, :, None]
-            if ARITH == 0 and S_UNIT >= 0.125 and SQ_LO * S_UNIT >= 1.1754943508222875e-38:
-                scaled = _div_by_short(blocks, den)
-            else:
-                scaled = tl.div_rn(blocks, den)
-            scaled = tl.where(divisor[:, :, None] == 0.0, 0.0, scaled)
-        else:
-            scaled = blocks * factor[:, :, None]
-    else:
-        scaled = blocks * factor[:, :, None]
+    scaled = _scaled_blocks(blocks, factor, divisor, RULE, ARITH, S_UNIT, SQ_LO)
     if SR:
         block_words = tl.reshape(words, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
         codes = _round_stochastic(scaled, block_words, EQ_LO, EQ_HI, E_UNIT, E_MAX, SR_BITS)
@@ -664,15 +670,7 @@ def _p_counts(
             amax, tl.max(tl.max(x, axis=1), axis=0), E_MAX, 1.0 / E_MAX, SQ_LO, SQ_HI, S_UNIT,
             S_MAX, E_LO, E_HI, RULE, ARITH, TENSOR, EMAX_E,
         )  # fmt: skip
-        if (ARITH == 0 or ARITH == 3) and RULE == 0:
-            den = tl.where(divisor == 0.0, 1.0, divisor)[:, :, None]
-            if ARITH == 0 and S_UNIT >= 0.125 and SQ_LO * S_UNIT >= 1.1754943508222875e-38:
-                scaled = _div_by_short(xb, den)
-            else:
-                scaled = tl.div_rn(xb, den)
-            scaled = tl.where(divisor[:, :, None] == 0.0, 0.0, scaled)
-        else:
-            scaled = xb * factor[:, :, None]
+        scaled = _scaled_blocks(xb, factor, divisor, RULE, ARITH, S_UNIT, SQ_LO)
         clipped = tl.sum(tl.sum(tl.sum((scaled > E_MAX).to(tl.float32), 2), 1), 0)
         ideal = tl.div_rn(amax, tl.zeros_like(amax) + E_MAX * decode)
         nonzero = amax > 0.0

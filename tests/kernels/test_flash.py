@@ -58,6 +58,16 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _within_budget_of_the_simulation(q, k, v, recipe, causal, tiles):
+    """Assert the kernel's output within BUDGET of the simulation's; the simulation's."""
+    got = fp4lab.attention(q, k, v, recipe, causal=causal, backend="triton", **tiles)
+    want = reference_attention(q, k, v, recipe, causal=causal, **tiles)
+    exact = reference_attention(q.double(), k.double(), v.double(), causal=causal, **tiles)
+    diff, own = rel(got, want), rel(want, exact)
+    assert diff <= BUDGET, f"kernel vs simulation {diff:.2e} (recipe's error {own:.2e})"
+    return want
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_the_kernel_is_the_simulation_up_to_summation_order(recipe, causal):
@@ -230,11 +240,7 @@ def test_tile_scope_takes_each_tiles_tensor_scale(causal, sq, sk):
 
     recipe, tiles = resolve_recipe("attn_qat_kernel"), dict(block_m=32, block_n=16)
     q, k, v = (_tiles_apart(x, 16) for x in inputs(1, 4, 2, sq, sk, 32, seed=sq * sk))
-    got = fp4lab.attention(q, k, v, recipe, causal=causal, backend="triton", **tiles)
-    want = reference_attention(q, k, v, recipe, causal=causal, **tiles)
-    exact = reference_attention(q.double(), k.double(), v.double(), causal=causal, **tiles)
-    diff, own = rel(got, want), rel(want, exact)
-    assert diff <= BUDGET, f"kernel vs simulation {diff:.2e} (recipe's error {own:.2e})"
+    want = _within_budget_of_the_simulation(q, k, v, recipe, causal, tiles)
     qs, ks, vs, factors = backend.prepare(q, k, v, recipe, **tiles)
     assert [f.shape[-1] for f in factors] == [-(-sq // 32), -(-sk // 16), -(-sk // 16)]
     run = dict(pq=backend.p_quantizer(recipe), causal=causal, scale=32**-0.5, **tiles,
@@ -273,11 +279,7 @@ def test_fa3_fp8_paper_rotates_and_scales_each_tile(causal, d, block):
     recipe, tiles = resolve_recipe("fa3_fp8_paper"), dict(block_m=block, block_n=block)
     plain = dataclasses.replace(recipe, name="unrotated", incoherent_processing=False)
     q, k, v = (_tiles_apart(x, 128) for x in inputs(1, 4, 2, 200, 300, d, seed=d + causal))
-    got = fp4lab.attention(q, k, v, recipe, causal=causal, backend="triton", **tiles)
-    want = reference_attention(q, k, v, recipe, causal=causal, **tiles)
-    exact = reference_attention(q.double(), k.double(), v.double(), causal=causal, **tiles)
-    diff, own = rel(got, want), rel(want, exact)
-    assert diff <= BUDGET, f"kernel vs simulation {diff:.2e} (recipe's error {own:.2e})"
+    want = _within_budget_of_the_simulation(q, k, v, recipe, causal, tiles)
     qs, ks, vs, factors = backend.prepare(q, k, v, recipe, **tiles)
     qu, ku, _, (qfu, kfu, _) = backend.prepare(q, k, v, plain, **tiles)
     n_q, n_k = -(-200 // block), -(-300 // block)
