@@ -127,6 +127,7 @@ def main() -> None:
                         help="the 131072-token causal fwd+bwd with the trace on")
     parser.add_argument("--scale-recipes", nargs="+", default=["fa4fp4_causal"])
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     if args.scale:
         scale_run(args.scale_recipes, args.out)
     if args.gradient_bias:

@@ -282,7 +282,13 @@ def check_direct_p(spec) -> None:
 
 
 def _grid(fmt: FloatFormat) -> tuple:
-    return (2.0**fmt.emin, 2.0 ** (fmt.emax + 1), 2.0**-fmt.mbits, float(fmt.max))
+    """(Q_LO, Q_HI, UNIT, MAXV) of `_quantum`, each a float32. Q_HI is capped at 2^127, the
+    largest binade a finite float32 has, so that a format reaching float32's range (bf16,
+    E8M0) still compiles: the compiler widens a constant past float32 to float64, where the
+    binade's bitcast fails. The cap changes no finite result."""
+    return (
+        2.0**fmt.emin, 2.0 ** min(fmt.emax + 1, 127), 2.0**-fmt.mbits, float(fmt.max)
+    )
 
 
 _RULES = {

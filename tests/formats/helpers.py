@@ -44,3 +44,12 @@ def e4m3_satfinite(x: torch.Tensor) -> torch.Tensor:
     """``__nv_fp8_e4m3(x)`` / ``cvt.rn.satfinite.e4m3x2.f32``: nearest even, clamped to
     +-448 (NaN stays NaN), as float32; torch's own cast is the rounding."""
     return torch.clamp(x.float(), -448.0, 448.0).to(torch.float8_e4m3fn).float()
+
+
+def spread(shape, seed=0, dtype=torch.float32, low=-30, high=30):
+    """Gaussian rows times log-spaced row magnitudes 2^[low, high), with one zero block."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    x = x * torch.exp2(torch.randint(low, high, (*shape[:-1], 1), generator=gen).float())
+    x[..., 0, :32] = 0
+    return x.to(dtype)

@@ -347,6 +347,27 @@ def test_mask_and_dtype_are_refused_not_replaced():
         fp4lab.attention(q.float(), k, v, backend="triton")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_operand_in_its_own_format_is_cast_by_a_clamp(dtype):
+    # every bit pattern of the dtype: the backend's one-pass cast against the reference's
+    # saturating rounding (inf to max, NaN kept, -0 kept), and a format other than the
+    # input's own still rounds through the reference
+    from fp4lab.formats import BF16, FP16, round_to_format
+    from fp4lab.kernels.backend import cast_to_format
+
+    fmt = BF16 if dtype == torch.bfloat16 else FP16
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    got, want = cast_to_format(x, fmt), round_to_format(x.float(), fmt).to(dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+    assert got[x == float("inf")].item() == fmt.max  # the clamp did saturate
+    other = FP16 if fmt is BF16 else BF16
+    y = torch.randn(4096, generator=torch.Generator().manual_seed(7)).to(dtype) * 1e3
+    assert torch.equal(cast_to_format(y, other), round_to_format(y.float(), other))
+
+
 @triton.jit
 def _divide_kernel(X, S, Out, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
