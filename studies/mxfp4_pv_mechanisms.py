@@ -208,6 +208,10 @@ class MechanismsConfig:
     # a quarter of the gap's squared norm)
     must_test_leak: float = 0.0  # or if it makes later tokens move earlier rows by more
     z: float = 3.0  # |t| over tiles above z: a bias consistent across tiles
+    do_scale: float = 1.0  # dO multiplied by it, a power of two, before every backward: the
+    # pv-divergence study's loss-scaled arms (a trained model's dO, about 1e-7, flushes whole
+    # under the FP8 route's fixed-scale E5M2(4 dO)); every effect is a relative distance, so
+    # in exact arithmetic it changes nothing and only the quantizers see dO larger
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq", "head_dim", "leak_positions"):
@@ -227,6 +231,10 @@ class MechanismsConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive finite number, got {value}")
+        mantissa = math.frexp(self.do_scale)[0] if math.isfinite(self.do_scale) else 0.0
+        if not (self.do_scale > 0 and mantissa == 0.5):
+            raise ValueError(f"do_scale must be a positive power of two (an exact scaling), got "
+                             f"{self.do_scale}")
         if not (math.isfinite(self.must_test_leak) and self.must_test_leak >= 0):
             raise ValueError(f"must_test_leak must be a finite number >= 0, got "
                              f"{self.must_test_leak}")
@@ -241,6 +249,12 @@ def _check_routes(b: AttentionRecipe, r: AttentionRecipe) -> None:
                              f"power-of-two (E8M0) scales, got {spec!r}")
     if b.causal is False or r.causal is False:
         raise ValueError(f"fp8_route, mxfp4_route: {b.name} and {r.name} must be causal routes")
+
+
+def _do_scale_note(do_scale: float) -> str:
+    if do_scale == 1.0:
+        return ""
+    return f", dO times {do_scale:g} (do_scale: as a loss scaled by it)"
 
 
 PRESETS = {
@@ -283,7 +297,7 @@ class Run:
 def _inputs(config: MechanismsConfig, seed: int, device: str):
     x = study_inputs(config.inputs, seed, batch=config.batch, heads=config.heads,
                      seq=config.seq, head_dim=config.head_dim)
-    return [t.to(device) for t in (x.q, x.k, x.v, x.do)]
+    return [t.to(device) for t in (x.q, x.k, x.v, x.do * config.do_scale)]
 
 
 def _leakage():
@@ -579,7 +593,8 @@ def report(config: MechanismsConfig, metrics: pd.DataFrame, tables: dict):
                              heads=config.heads, seq=config.seq, head_dim=config.head_dim)
     setup = (
         "## Setup\n\n"
-        f"Inputs: {source}; causal, the routes' tiles. FP8 route B = {config.fp8_route}, "
+        f"Inputs: {source}{_do_scale_note(config.do_scale)}; causal, the routes' tiles. "
+        f"FP8 route B = {config.fp8_route}, "
         f"MXFP4 route R = {config.mxfp4_route}. Each mechanism is a contrast of two recipes "
         "that differ only in it, on B (ranked) and on R; effects are relative L2 changes of "
         "the outputs over B's norm, one forward and backward, float32. Leak: the mean "

@@ -4,6 +4,7 @@ ranking, and bad settings are refused before anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
+import fp4lab
 from fp4lab.studies import load_study, run_study
 
 STUDY = load_study("mxfp4-pv-mechanisms").module
@@ -102,8 +105,11 @@ def test_the_cli_prints_the_ranking(tmp_path, capsys):
      ("mxfp4_route=fa4fp4_causal", "fa4fp4_causal's p must be a 1-D block format"),
      ("fp8_route=fa4fp4_directp", "must be causal routes"),
      ("must_test_share=0", "must_test_share must be a positive"),
-     ("leak_positions=0", "leak_positions must be >= 1")],
-    ids=["mechanism", "context", "route", "non-causal", "share", "positions"],
+     ("leak_positions=0", "leak_positions must be >= 1"),
+     ("do_scale=3", "do_scale must be a positive power of two"),
+     ("do_scale=-2", "do_scale must be a positive power of two")],
+    ids=["mechanism", "context", "route", "non-causal", "share", "positions", "do_scale",
+         "negative do_scale"],
 )
 def test_bad_set_values_fail_before_anything_runs(tmp_path, entry, words):
     with pytest.raises(ValueError, match=words):
@@ -121,3 +127,32 @@ def test_the_gap_says_why_it_is_undefined_where_the_fp8_route_flushed_everything
     assert "Undefined for dq, dk: the FP8 route's dq, dk is zero" in line
     rows = [{**r, "effect": 0.2} for r in rows]
     assert "Undefined" not in STUDY._gap_line(pd.DataFrame(rows))
+
+
+def _grads(recipe, tensors):
+    q, k, v, do = tensors
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fp4lab.attention(*leaves, recipe, causal=True).backward(do)
+    return [t.grad for t in leaves]
+
+
+def test_do_scale_reaches_the_quantizers_and_nothing_else():
+    # the study's inputs with dO times 2^13: Q, K, V unchanged, dO exactly 2^13 times; exact
+    # attention's gradients then scale by exactly 2^13 (relative distances do not move),
+    # while the FP8 route's fixed-scale E5M2(4 dO), which flushes a trained model's dO
+    # (up to 1e-6 here: 4 dO below half of 2^-16) whole, no longer does
+    config = dataclasses.replace(STUDY.PRESETS["smoke"], heads=1, seq=128, head_dim=64)
+    scaled = dataclasses.replace(config, do_scale=2.0**13)
+    plain, big = STUDY._inputs(config, 0, "cpu"), STUDY._inputs(scaled, 0, "cpu")
+    for a, b in zip(plain[:3], big[:3], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(big[3], plain[3] * 2.0**13)
+    small = [*plain[:3], plain[3] / plain[3].abs().max() * 1e-6]
+    small_scaled = [*plain[:3], small[3] * 2.0**13]
+    for want, got in zip(_grads("exact", [t.double() for t in small]),
+                         _grads("exact", [t.double() for t in small_scaled]), strict=True):
+        assert torch.equal(got, want * 2.0**13)
+    _, _, dv = _grads("fa4fp4_causal", small)
+    _, _, dv_scaled = _grads("fa4fp4_causal", small_scaled)
+    assert not dv.any()  # every element of dO flushed
+    assert dv_scaled.any()
