@@ -509,13 +509,21 @@ def _gap_line(metrics: pd.DataFrame) -> str:
     words = ", ".join(f"{t} {gap.loc[t, 'effect']:.3g}" for t in TENSORS)
     errs = ", ".join(f"{t} {gap.loc[t, 'control_error']:.3g} -> {gap.loc[t, 'variant_error']:.3g}"
                      for t in GRADIENTS)
-    zero = [t for t in TENSORS if math.isnan(gap.loc[t, "effect"])]
-    undefined = (f" Undefined for {', '.join(zero)}: the FP8 route's {', '.join(zero)} is "
-                 "zero (every element flushed, its error against exact attention 1), so no "
-                 "distance relative to it exists and no mechanism is ranked on it; such inputs "
-                 "show the FP8 backward's range, not the MXFP4 difference." if zero else "")
+    undefined = [t for t in TENSORS if math.isnan(gap.loc[t, "effect"])]
+    broken = [t for t in undefined if not math.isfinite(gap.loc[t, "variant_error"])]
+    zero = [t for t in undefined if t not in broken]
+    notes = ""
+    if broken:
+        notes += (f" Undefined for {', '.join(broken)}: the MXFP4 route's {', '.join(broken)} "
+                  "is not finite on these inputs, so no mechanism is ranked on it; such inputs "
+                  "show the route overflowing, not a difference of rounding.")
+    if zero:
+        notes += (f" Undefined for {', '.join(zero)}: the FP8 route's {', '.join(zero)} is "
+                  "zero (every element flushed, its error against exact attention 1), so no "
+                  "distance relative to it exists and no mechanism is ranked on it; such inputs "
+                  "show the FP8 backward's range, not the MXFP4 difference.")
     return (f"The gap: the MXFP4 route's outputs and gradients differ from the FP8 route's by "
-            f"{words} (relative L2); against exact attention the errors go {errs}.{undefined}")
+            f"{words} (relative L2); against exact attention the errors go {errs}.{notes}")
 
 
 def _ranking_lines(config, table: pd.DataFrame, gap: pd.Series) -> list[str]:

@@ -125,8 +125,19 @@ def test_the_gap_says_why_it_is_undefined_where_the_fp8_route_flushed_everything
              "variant_error": 1.0 if math.isnan(e) else 0.2} for t, e in effect.items()]
     line = STUDY._gap_line(pd.DataFrame(rows))
     assert "Undefined for dq, dk: the FP8 route's dq, dk is zero" in line
+    assert "not finite" not in line
     rows = [{**r, "effect": 0.2} for r in rows]
     assert "Undefined" not in STUDY._gap_line(pd.DataFrame(rows))
+
+
+def test_the_gap_says_when_the_mxfp4_route_is_what_is_not_finite():
+    # the MXFP4 route overflowing on the inputs (its o, dq, dk NaN): a different reason
+    effect = {"o": math.nan, "dq": math.nan, "dk": math.nan, "dv": 0.5}
+    rows = [{"mechanism": STUDY.GAP, "tensor": t, "effect": e, "control_error": 0.3,
+             "variant_error": e} for t, e in effect.items()]
+    line = STUDY._gap_line(pd.DataFrame(rows))
+    assert "Undefined for o, dq, dk: the MXFP4 route's o, dq, dk is not finite" in line
+    assert "flushed" not in line
 
 
 def _grads(recipe, tensors):
