@@ -15,8 +15,10 @@ and ``_d64`` as the 1.2B records ran it), and variants that change one thing eac
 a cause or test a fix: MXFP4 on P only and on V only, V's scale rounded up (rceil),
 stochastic rounding of V, no row correction, P against the running maximum (no anchor),
 NVFP4 and UE5M3-scaled P/V, MatX's leakage fix, E4M3 QKV projections as the published runs
-had them, gradient clipping, and both routes' forwards with the exact gradient of themselves
-in place of the FP8 backward.
+had them, gradient clipping, both routes' forwards with the exact gradient of themselves
+in place of the FP8 backward, and both routes with the loss scaled by 2^13 for the backward
+(gradients unscaled before use), which keeps the dO that E5M2(4 dO) flushes at this model's
+size.
 
 The divergence rule, fixed before any run and computed by the code (`_pv_divergence.report`):
 a run diverges at its first non-finite training loss or gradient norm (the norm added after
@@ -44,10 +46,10 @@ uninterrupted one has. Under ``torchrun`` the ranks train each cell together wit
 the CPU, NCCL on GPUs; `data_parallel`), the global batch split over them; with
 ``--set data_parallel=false`` the cells spread over the ranks instead (several small runs
 sharing one GPU). ``--preset smoke`` runs on a 2-core CPU in about 30 seconds; ``full`` is
-sized for one H200 (bf16, FP8 and MXFP4 P/V and eleven variants, two seeds, each cell a
-resumable piece; measured: 12.7 minutes in one process, in two calls of 4.0 and 8.7 minutes,
-2026-12-01, results/pv-divergence-full; _pv_divergence/GPU_PLAN.md has the commands);
-``long`` scales the same runs up.
+sized for one H200 (bf16, SDPA, FP8 and MXFP4 P/V and thirteen variants, two seeds, each
+cell a resumable piece; measured with its first nine variants: 12.7 minutes in one process,
+in two calls of 4.0 and 8.7 minutes, 2026-12-01, results/pv-divergence-full;
+_pv_divergence/GPU_PLAN.md has the commands); ``long`` scales the same runs up.
 
 Saved activations. With ``--set activations_rows=N`` (the smoke preset: 2) each run ends
 with one forward and backward of N validation sequences with its own recipe and backend and
@@ -198,11 +200,13 @@ class PVDivergenceConfig:
 # sizes the v509 backward's fixed-scale E5M2(4 dO) flushes most of dO), and both routes with
 # QK-norm (in the first full run the arms that kept training under the v509 backward grew
 # logits 8-160x bf16's, and a fixed row reference overflows P once log2 P passes about
-# 117.5: bounded logits test both). The committed results/pv-divergence-full ran the first
-# thirteen arms.
+# 117.5: bounded logits test both), and both routes with the loss scaled by 2^13 (this
+# model's dO, near 1e-7, flushes almost wholly in E5M2(4 dO); the scale keeps it). The
+# committed results/pv-divergence-full ran the first thirteen arms.
 _VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_no_rowcorr",
              "mxfp4pv_running_max", "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv", "fp8pv_exact_bwd",
-             "mxfp4pv_exact_bwd", "mxfp4pv_qknorm", "fp8pv_qknorm")
+             "mxfp4pv_exact_bwd", "mxfp4pv_qknorm", "fp8pv_qknorm", "fp8pv_loss_scaled",
+             "mxfp4pv_loss_scaled")
 PRESETS = {
     "smoke": PVDivergenceConfig(
         arms=("bf16", "fp8pv", "mxfp4pv", "mxfp4_v_only", "mxfp4pv_leakfix"), seeds=(0, 1),
