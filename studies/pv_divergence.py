@@ -49,7 +49,9 @@ sharing one GPU). ``--preset smoke`` runs on a 2-core CPU in about 30 seconds; `
 sized for one H200 (bf16, SDPA, FP8 and MXFP4 P/V and thirteen variants, two seeds, each
 cell a resumable piece; measured with its first nine variants: 12.7 minutes in one process,
 in two calls of 4.0 and 8.7 minutes, 2026-12-01, results/pv-divergence-full;
-_pv_divergence/GPU_PLAN.md has the commands); ``long`` scales the same runs up.
+_pv_divergence/GPU_PLAN.md has the commands); ``long`` scales the same runs up. On a
+GPU the runs use torch's deterministic algorithms (``deterministic``, on by default;
+`PVDivergenceConfig`).
 
 Saved activations. With ``--set activations_rows=N`` (the smoke preset: 2) each run ends
 with one forward and backward of N validation sequences with its own recipe and backend and
@@ -110,6 +112,21 @@ TASKS = ("text", "recall")
 
 @dataclass(frozen=True)
 class PVDivergenceConfig:
+    """The study's sizes, arms and divergence rule (one field a line, commented below).
+
+    ``deterministic`` (default on): on a GPU, each rank sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
+    (where it is unset) and ``torch.use_deterministic_algorithms(True, warn_only=True)``
+    before its first cell's CUDA work (`training.deterministic_algorithms`), so that two runs
+    with the same seeds give the same numbers: without it two full runs on one H200 parted at
+    step 1-2 by about 1e-6 in every arm, torch's SDPA included (atomics in torch's own
+    backward kernels, e.g. the embedding's; fp4lab's Triton backward has none). An op without
+    a deterministic version warns instead of stopping the run. Torch then also fills new
+    memory (``torch.utils.deterministic.fill_uninitialized_memory``), which may cost speed.
+    On the CPU it changes nothing. config.json records the field, and each run's row the
+    state it ran with (``deterministic_algorithms``, ``cublas_workspace_config``). Not yet
+    confirmed on a GPU: neither the equal reruns nor its cost in tokens/s has been measured.
+    """
+
     arms: tuple[str, ...] = ("bf16", "fp8pv", "mxfp4pv")  # arms.ARMS keys; bf16 required
     seeds: tuple[int, ...] = (0, 1)  # model and data seeds (each arm sees the same ones)
     tasks: tuple[str, ...] = ("text",)  # "text" (bytes of Python's docs and sources), "recall"
@@ -140,6 +157,7 @@ class PVDivergenceConfig:
     activations_rows: int = 0  # >0: each run saves its attention inputs of this many rows
     reference_arms: tuple[str, ...] = ()  # arms on --backend reference whatever --backend is
     speed_skip: int = 5  # first steps out of the steady tokens/s (compiling; all if fewer)
+    deterministic: bool = True  # on a GPU: torch's deterministic algorithms (see above)
 
     def __post_init__(self) -> None:
         self._check_lists()
@@ -275,8 +293,13 @@ def run_cell(config: PVDivergenceConfig, cell: dict, ctx) -> dict:
                              "(run the study with fp4lab study run / run_study)")
         saved = (ctx.folder / ACTIVATIONS, activations_stem(cell))
     backend = "reference" if cell["arm"] in config.reference_arms else ctx.backend
-    tables = PARTS["training"].train(spec, ctx.device, backend, ctx.rank, ctx.world_size,
-                                     ctx.scratch, saved)
+    training = PARTS["training"]
+    if ctx.device.startswith("cuda"):  # every rank, before its cell's first CUDA work
+        training.deterministic_algorithms(config.deterministic)
+    tables = training.train(spec, ctx.device, backend, ctx.rank, ctx.world_size, ctx.scratch,
+                            saved)
+    if tables["runs"]:
+        tables["runs"][0] |= training.determinism()
     if cell["task"] == "text" and tables["runs"]:
         corpus = PARTS["corpora"].text_corpus(config.corpus_bytes, config.val_fraction)
         tables["runs"][0] |= {"corpus_train_sha256": corpus.train_sha256,

@@ -66,7 +66,7 @@ from .arms import ARMS
 from .corpora import RecallTask, stream_seed, text_corpus
 from .gpt import GPT, AttentionCall, GPTConfig
 
-__all__ = ["RunSpec", "train", "after_step"]
+__all__ = ["RunSpec", "train", "after_step", "deterministic_algorithms", "determinism"]
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -98,6 +98,24 @@ class RunSpec:
     sr_seed: int
     activations_rows: int = 0  # validation sequences whose attention inputs are saved; 0: none
     speed_skip: int = 5  # first steps left out of the steady tokens/s
+
+
+def deterministic_algorithms(on: bool) -> dict:
+    """Torch's deterministic algorithms on (cuBLAS's fixed workspace ``:4096:8`` set where
+    ``CUBLAS_WORKSPACE_CONFIG`` is unset; an op without a deterministic version warns) or off,
+    for this process; the state now (`determinism`). The study calls it on GPUs only, before
+    a cell's CUDA work: cuBLAS reads its workspace setting when it starts."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    return determinism()
+
+
+def determinism() -> dict:
+    """Whether torch's deterministic algorithms are on, and cuBLAS's workspace setting (None:
+    unset), as a run's row records them."""
+    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
 
 
 def after_step(step: int) -> None:

@@ -610,3 +610,28 @@ def test_the_loss_scaled_arms_are_the_routes_with_only_the_scale_changed():
         assert name in STUDY.PRESETS["full"].arms and name not in STUDY.PRESETS["smoke"].arms
     assert all(a.loss_scale == 1 for n, a in arms.ARMS.items() if not n.endswith("_scaled"))
 
+
+# -- deterministic algorithms -----------------------------------------------------------------
+def test_deterministic_algorithms_are_set_by_the_flag_and_recorded(short, monkeypatch):
+    """The function the study calls on GPUs turns torch's deterministic algorithms on (warn
+    only) with cuBLAS's workspace setting, keeping one already set; config.json records the
+    field and each run's row the state it ran with (on the CPU: unchanged, so off)."""
+    training = PARTS["training"]
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        state = training.deterministic_algorithms(True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert state == {"deterministic_algorithms": True, "cublas_workspace_config": ":4096:8"}
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        assert training.deterministic_algorithms(True)["cublas_workspace_config"] == ":16:8"
+        assert not training.deterministic_algorithms(False)["deterministic_algorithms"]
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert json.loads((short / "config.json").read_text())["config"]["deterministic"] is True
+    runs = pd.read_parquet(short / "runs.parquet")
+    assert not runs["deterministic_algorithms"].any()
+    assert "cublas_workspace_config" in runs
