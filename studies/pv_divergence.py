@@ -15,8 +15,10 @@ and ``_d64`` as the 1.2B records ran it), and variants that change one thing eac
 a cause or test a fix: MXFP4 on P only and on V only, V's scale rounded up (rceil),
 stochastic rounding of V, no row correction, P against the running maximum (no anchor),
 NVFP4 and UE5M3-scaled P/V, MatX's leakage fix, E4M3 QKV projections as the published runs
-had them, gradient clipping, and both routes' forwards with the exact gradient of themselves
-in place of the FP8 backward.
+had them, gradient clipping, both routes' forwards with the exact gradient of themselves
+in place of the FP8 backward, and both routes with the loss scaled by 2^13 for the backward
+(gradients unscaled before use), which keeps the dO that E5M2(4 dO) flushes at this model's
+size.
 
 The divergence rule, fixed before any run and computed by the code (`_pv_divergence.report`):
 a run diverges at its first non-finite training loss or gradient norm (the norm added after
@@ -44,10 +46,12 @@ uninterrupted one has. Under ``torchrun`` the ranks train each cell together wit
 the CPU, NCCL on GPUs; `data_parallel`), the global batch split over them; with
 ``--set data_parallel=false`` the cells spread over the ranks instead (several small runs
 sharing one GPU). ``--preset smoke`` runs on a 2-core CPU in about 30 seconds; ``full`` is
-sized for one H200 (bf16, FP8 and MXFP4 P/V and eleven variants, two seeds, each cell a
-resumable piece; measured: 12.7 minutes in one process, in two calls of 4.0 and 8.7 minutes,
-2026-12-01, results/pv-divergence-full; _pv_divergence/GPU_PLAN.md has the commands);
-``long`` scales the same runs up.
+sized for one H200 (bf16, SDPA, FP8 and MXFP4 P/V and thirteen variants, two seeds, each
+cell a resumable piece; measured with its first nine variants: 12.7 minutes in one process,
+in two calls of 4.0 and 8.7 minutes, 2026-12-01, results/pv-divergence-full;
+_pv_divergence/GPU_PLAN.md has the commands); ``long`` scales the same runs up. On a
+GPU the runs use torch's deterministic algorithms (``deterministic``, on by default;
+`PVDivergenceConfig`).
 
 Saved activations. With ``--set activations_rows=N`` (the smoke preset: 2) each run ends
 with one forward and backward of N validation sequences with its own recipe and backend and
@@ -108,6 +112,21 @@ TASKS = ("text", "recall")
 
 @dataclass(frozen=True)
 class PVDivergenceConfig:
+    """The study's sizes, arms and divergence rule (one field a line, commented below).
+
+    ``deterministic`` (default on): on a GPU, each rank sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
+    (where it is unset) and ``torch.use_deterministic_algorithms(True, warn_only=True)``
+    before its first cell's CUDA work (`training.deterministic_algorithms`), so that two runs
+    with the same seeds give the same numbers: without it two full runs on one H200 parted at
+    step 1-2 by about 1e-6 in every arm, torch's SDPA included (atomics in torch's own
+    backward kernels, e.g. the embedding's; fp4lab's Triton backward has none). An op without
+    a deterministic version warns instead of stopping the run. Torch then also fills new
+    memory (``torch.utils.deterministic.fill_uninitialized_memory``), which may cost speed.
+    On the CPU it changes nothing. config.json records the field, and each run's row the
+    state it ran with (``deterministic_algorithms``, ``cublas_workspace_config``). Not yet
+    confirmed on a GPU: neither the equal reruns nor its cost in tokens/s has been measured.
+    """
+
     arms: tuple[str, ...] = ("bf16", "fp8pv", "mxfp4pv")  # arms.ARMS keys; bf16 required
     seeds: tuple[int, ...] = (0, 1)  # model and data seeds (each arm sees the same ones)
     tasks: tuple[str, ...] = ("text",)  # "text" (bytes of Python's docs and sources), "recall"
@@ -138,6 +157,7 @@ class PVDivergenceConfig:
     activations_rows: int = 0  # >0: each run saves its attention inputs of this many rows
     reference_arms: tuple[str, ...] = ()  # arms on --backend reference whatever --backend is
     speed_skip: int = 5  # first steps out of the steady tokens/s (compiling; all if fewer)
+    deterministic: bool = True  # on a GPU: torch's deterministic algorithms (see above)
 
     def __post_init__(self) -> None:
         self._check_lists()
@@ -198,11 +218,13 @@ class PVDivergenceConfig:
 # sizes the v509 backward's fixed-scale E5M2(4 dO) flushes most of dO), and both routes with
 # QK-norm (in the first full run the arms that kept training under the v509 backward grew
 # logits 8-160x bf16's, and a fixed row reference overflows P once log2 P passes about
-# 117.5: bounded logits test both). The committed results/pv-divergence-full ran the first
-# thirteen arms.
+# 117.5: bounded logits test both), and both routes with the loss scaled by 2^13 (this
+# model's dO, near 1e-7, flushes almost wholly in E5M2(4 dO); the scale keeps it). The
+# committed results/pv-divergence-full ran the first thirteen arms.
 _VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_no_rowcorr",
              "mxfp4pv_running_max", "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv", "fp8pv_exact_bwd",
-             "mxfp4pv_exact_bwd", "mxfp4pv_qknorm", "fp8pv_qknorm")
+             "mxfp4pv_exact_bwd", "mxfp4pv_qknorm", "fp8pv_qknorm", "fp8pv_loss_scaled",
+             "mxfp4pv_loss_scaled")
 PRESETS = {
     "smoke": PVDivergenceConfig(
         arms=("bf16", "fp8pv", "mxfp4pv", "mxfp4_v_only", "mxfp4pv_leakfix"), seeds=(0, 1),
@@ -271,8 +293,13 @@ def run_cell(config: PVDivergenceConfig, cell: dict, ctx) -> dict:
                              "(run the study with fp4lab study run / run_study)")
         saved = (ctx.folder / ACTIVATIONS, activations_stem(cell))
     backend = "reference" if cell["arm"] in config.reference_arms else ctx.backend
-    tables = PARTS["training"].train(spec, ctx.device, backend, ctx.rank, ctx.world_size,
-                                     ctx.scratch, saved)
+    training = PARTS["training"]
+    if ctx.device.startswith("cuda"):  # every rank, before its cell's first CUDA work
+        training.deterministic_algorithms(config.deterministic)
+    tables = training.train(spec, ctx.device, backend, ctx.rank, ctx.world_size, ctx.scratch,
+                            saved)
+    if tables["runs"]:
+        tables["runs"][0] |= training.determinism()
     if cell["task"] == "text" and tables["runs"]:
         corpus = PARTS["corpora"].text_corpus(config.corpus_bytes, config.val_fraction)
         tables["runs"][0] |= {"corpus_train_sha256": corpus.train_sha256,

@@ -1,5 +1,5 @@
 """The arms of the study: an attention recipe plus the few training choices a cause or a fix
-needs (E4M3 QKV projections, gradient clipping).
+needs (E4M3 QKV projections, gradient clipping, QK-norm, a loss scale).
 
 The three published routes are presets of `fp4lab.recipes`; every variant changes one thing
 of one of them with `dataclasses.replace`, using named block formats of `fp4lab.formats`, so
@@ -8,11 +8,20 @@ candidate cause of the MXFP4 P/V divergence with the arm that tests it and the a
 compared with; it covers the mechanisms the mxfp4-pv-mechanisms study names for training
 (the represented denominator, P's and V's E8M0 rules, P's anchor and exponent floor, V's
 leaking blocks).
+
+The loss-scaled arms test a confound of the study's size rather than a cause of the published
+divergence: the v509 backward quantizes dO as E5M2(4 dO), whose smallest subnormal 2^-16
+flushes every |dO| below about 2^-18, and this model's mean loss over a global batch of 8192
+tokens leaves dO near 1e-7 at the attention outputs, so most of it flushes. A loss scale of
+2^13 (the batch's token count: the summed loss) lifts dO by that factor; the gradients are
+divided by it again before anything reads them (`training.Run.train_step`), which in exact
+arithmetic changes nothing, so the quantized attention backward is the only thing that sees it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from fp4lab.formats import (
@@ -50,6 +59,9 @@ class Arm:
         qkv_format: a block format on the QKV projection's input and weight, or None.
         grad_clip: the gradient norm clipped to, or None (the default: divergence visible).
         qk_norm: RMS-normalize each head's q and k before attention (`gpt.GPTConfig`).
+        loss_scale: the training loss is multiplied by it before the backward and every
+            gradient divided by it after (a positive power of two, so both are exact and only
+            the quantized attention backward sees dO this many times larger); 1: none.
     """
 
     recipe: AttentionRecipe | None
@@ -57,6 +69,15 @@ class Arm:
     qkv_format: str | None = None
     grad_clip: float | None = None
     qk_norm: bool = False
+    loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        scale = self.loss_scale
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                or not (0 < scale < math.inf) or math.frexp(scale)[0] != 0.5):
+            name = "torch SDPA" if self.recipe is None else self.recipe.name
+            raise ValueError(f"arm {self.what!r} ({name}): loss_scale must be a positive power "
+                             f"of two (scaling by it and back is exact), got {scale!r}")
 
 
 def _variant(base: AttentionRecipe, name: str, **changes) -> AttentionRecipe:
@@ -67,6 +88,7 @@ def _variant(base: AttentionRecipe, name: str, **changes) -> AttentionRecipe:
 MXFP4_ALPHA_MSE_SR = dataclasses.replace(
     MXFP4_ALPHA_MSE, name="mxfp4_alpha_mse_sr", rounding=Rounding.STOCHASTIC)
 _MX = FA4FP4_CAUSAL_MXFP4PV
+LOSS_SCALE = 2.0**13  # the loss-scaled arms': the full preset's 16 x 512 tokens per step
 
 ARMS: dict[str, Arm] = {
     "exact": Arm(EXACT, "no quantization (float32 attention)"),
@@ -116,6 +138,12 @@ ARMS: dict[str, Arm] = {
     "mxfp4pv_exact_bwd": Arm(_MX.with_exact_backward(),
                              "MXFP4 P/V's forward with the exact gradient of it (no FP8 "
                              "backward)"),
+    "fp8pv_loss_scaled": Arm(FA4FP4_CAUSAL, "FP8 P/V with the loss scaled by 2^13 (the batch's "
+                             "token count) for the backward: E5M2(4 dO) keeps this model's dO",
+                             loss_scale=LOSS_SCALE),
+    "mxfp4pv_loss_scaled": Arm(_MX, "MXFP4 P/V with the loss scaled by 2^13 (the batch's token "
+                               "count) for the backward: E5M2(4 dO) keeps this model's dO",
+                               loss_scale=LOSS_SCALE),
 }
 REFERENCE_ARM = "bf16"
 
@@ -154,4 +182,8 @@ CAUSES = (
     Cause("attention logit growth (P past float32 against a fixed row reference)",
           "mxfp4pv_qknorm", "mxfp4pv", "fix"),
     Cause("attention logit growth on the FP8 route", "fp8pv_qknorm", "fp8pv", "fix"),
+    Cause("the FP8 backward's fixed dO scale against this model's gradient magnitude",
+          "fp8pv_loss_scaled", "fp8pv", "fix"),
+    Cause("the FP8 backward's fixed dO scale against this model's gradient magnitude, on "
+          "MXFP4 P/V", "mxfp4pv_loss_scaled", "mxfp4pv", "fix"),
 )

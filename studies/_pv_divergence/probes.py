@@ -23,6 +23,13 @@
   i < j (exactly 0 for causal attention without scales that span positions) and, averaged
   over the j, its size relative to the change at i >= j.
 
+An arm with a loss scale (`arms.Arm.loss_scale`) trains on the gradients of the loss times
+the scale, divided by it after the backward; the probes' backward (`captured_step`, and so the
+trace's dO flushed fraction, the gradient errors against exact attention and the saved dO)
+uses the same scaled loss, so that the recipe quantizes the dO the training backward
+quantizes (the gradient errors are relative: the scale changes them only through the
+quantization). The autopsy is a forward only and needs no scale.
+
 Everything is returned as rows (dicts of numbers), nothing is printed.
 """
 
@@ -74,28 +81,31 @@ def validation_loss(model: GPT, batches, call: AttentionCall, autocast) -> float
     return sum(losses) / len(losses)
 
 
-def captured_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int) -> Capture:
+def captured_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int,
+                  loss_scale: float = 1.0) -> Capture:
     """One forward and backward of (x, y) with `call`, recording each layer's q, k, v and
     the gradient at its attention output (dO). The loss is normalized as a training step's
-    over `batch` such sequences, so that the gradients reaching attention have the training
-    step's size (fixed-scale formats such as E5M2(4 dO) flush by size)."""
+    over `batch` such sequences and multiplied by the arm's `loss_scale`, so that the
+    gradients reaching attention are the ones a training step's backward quantizes
+    (fixed-scale formats such as E5M2(4 dO) flush by size): dO is the scaled one."""
     model.capture = Capture()
     with autocast():
-        loss = loss_of(model, x, y, call) * (x.shape[0] / batch)
+        loss = loss_of(model, x, y, call) * (x.shape[0] / batch) * loss_scale
     loss.backward()
     capture, model.capture = model.capture, None
     model.zero_grad(set_to_none=True)
     return capture
 
 
-def traced_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int) -> list[dict]:
-    """One traced forward and backward of (x, y) (`captured_step`): a row per layer (see the
-    module)."""
+def traced_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int,
+                loss_scale: float = 1.0) -> list[dict]:
+    """One traced forward and backward of (x, y) (`captured_step`, dO scaled by `loss_scale`
+    as training's): a row per layer (see the module)."""
     trace = fp4lab.Trace()
     # the trace is the reference path's (the instrumented simulation; Triton has none)
     traced = AttentionCall(call.recipe, "reference", call.block, call.seed,
                            trace if call.recipe is not None else None)
-    capture = captured_step(model, x, y, traced, autocast, batch)
+    capture = captured_step(model, x, y, traced, autocast, batch, loss_scale)
     frame = trace.to_frame()
     rows = []
     for layer in range(len(capture.q)):

@@ -17,6 +17,13 @@ gives the same losses as one process up to the rounding of the all-reduce. A rec
 scale over a whole tensor (``nvfp4pv``'s V, the E4M3 QKV projections) couples the sequences
 of a batch, so its numbers depend on how the batch is split.
 
+Loss scale. An arm with `arms.Arm.loss_scale` s != 1 differentiates s * loss and divides
+every parameter's gradient by s before anything reads it (the logged norms, clipping, the
+non-finite check, the optimizer, DDP's all-reduce having summed the scaled ones). s is a power
+of two, so in unquantized arithmetic the run is bit for bit the unscaled one except where a
+value under- or overflows; the quantized attention backward sees dO s times larger. There is
+no dynamic scaling: a scaled gradient that overflows makes the step non-finite.
+
 The run stops early, marked diverged, at the first non-finite training loss or gradient
 norm (an optimizer step on NaN gradients would only carry NaN on; that step takes none). Its
 last step always checkpoints. Before that, rank 0 examines the step (`probes.autopsy`: the
@@ -26,13 +33,13 @@ and whether the reference path and exact attention give a finite output on the s
 
 Saved activations. With `activations_rows` > 0, rank 0 ends the run with one forward and
 backward of the first `activations_rows` sequences of the first validation batch with the
-run's own recipe and backend (`probes.captured_step`, the loss scaled as a training step's)
-and writes each layer's q, k, v (after the rotary map) and dO with
-`fp4lab.analysis.save_inputs` to ``<folder>/<stem>-layer<l>.safetensors``, each file
-atomically (`fp4lab.studies.atomic_write`). They are functions of the weights, which a resumed
-run repeats bit for bit, so a run killed after writing them and rerun from its last
-checkpoint writes the same bytes over them; the temporary files a kill leaves are removed
-first.
+run's own recipe and backend (`probes.captured_step`, the loss scaled as a training step's,
+times the arm's loss scale: the dO saved is the one its backward quantizes) and writes each
+layer's q, k, v (after the rotary map) and dO with `fp4lab.analysis.save_inputs` to
+``<folder>/<stem>-layer<l>.safetensors``, each file atomically
+(`fp4lab.studies.atomic_write`). They are functions of the weights, which a resumed run
+repeats bit for bit, so a run killed after writing them and rerun from its last checkpoint
+writes the same bytes over them; the temporary files a kill leaves are removed first.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from .arms import ARMS
 from .corpora import RecallTask, stream_seed, text_corpus
 from .gpt import GPT, AttentionCall, GPTConfig
 
-__all__ = ["RunSpec", "train", "after_step"]
+__all__ = ["RunSpec", "train", "after_step", "deterministic_algorithms", "determinism"]
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -91,6 +98,24 @@ class RunSpec:
     sr_seed: int
     activations_rows: int = 0  # validation sequences whose attention inputs are saved; 0: none
     speed_skip: int = 5  # first steps left out of the steady tokens/s
+
+
+def deterministic_algorithms(on: bool) -> dict:
+    """Torch's deterministic algorithms on (cuBLAS's fixed workspace ``:4096:8`` set where
+    ``CUBLAS_WORKSPACE_CONFIG`` is unset; an op without a deterministic version warns) or off,
+    for this process; the state now (`determinism`). The study calls it on GPUs only, before
+    a cell's CUDA work: cuBLAS reads its workspace setting when it starts."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    return determinism()
+
+
+def determinism() -> dict:
+    """Whether torch's deterministic algorithms are on, and cuBLAS's workspace setting (None:
+    unset), as a run's row records them."""
+    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
 
 
 def after_step(step: int) -> None:
@@ -284,7 +309,7 @@ class Run:
             logits = self.trained(x, self.call(step))
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1,
                                    reduction="sum") / targets
-        loss.backward()
+        self._backward(loss)
         norms = self._grad_norms()
         if self.arm.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.arm.grad_clip)
@@ -299,6 +324,21 @@ class Run:
         tokens = (step + 1) * spec.batch * spec.model.seq_len
         return {"step": step, "tokens": tokens, "lr": lr, "loss": value, **norms,
                 "step_seconds": seconds}
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """The gradients of `loss`; with the arm's loss scale, those of loss * scale divided
+        by the scale again, so that everything after (norms, clipping, the non-finite check,
+        the optimizer) reads the unscaled gradient: a power of two, both steps are exact where
+        nothing under- or overflows, and only the quantized attention backward sees its dO
+        scaled."""
+        scale = self.arm.loss_scale
+        if scale == 1:
+            loss.backward()
+            return
+        (loss * scale).backward()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(scale)
 
     def _grad_norms(self) -> dict:
         """The total gradient norm and each attention layer's (before any clipping)."""
@@ -324,7 +364,8 @@ class Run:
         x, y = (t[: spec.probe_rows] for t in self.val[0])
         leak = probes.leakage(model, x, model.config.vocab_size, call, self.autocast)
         self.rows["evals"].append({**head, "val_loss": val, **leak})
-        for row in probes.traced_step(model, x, y, call, self.autocast, spec.batch):
+        for row in probes.traced_step(model, x, y, call, self.autocast, spec.batch,
+                                      self.arm.loss_scale):
             self.rows["layers"].append({**head, **row})
 
     def examine(self, step: int) -> None:
@@ -345,7 +386,8 @@ class Run:
         spec, model = self.spec, self.probe_model
         model.load_state_dict(self.model.state_dict())
         x, y = (t[: spec.activations_rows] for t in self.val[0])
-        capture = probes.captured_step(model, x, y, self.call(-1), self.autocast, spec.batch)
+        capture = probes.captured_step(model, x, y, self.call(-1), self.autocast, spec.batch,
+                                       self.arm.loss_scale)
         recipe = self.arm.recipe.name if self.arm.recipe is not None else "torch SDPA"
         rows = []
         for layer, tensors in enumerate(zip(capture.q, capture.k, capture.v, strict=True)):
@@ -358,7 +400,7 @@ class Run:
             rows.append({
                 "layer": layer, "file": f"{path.parent.name}/{path.name}", "recipe": recipe,
                 "backend": self.backend if self.arm.recipe is not None else "sdpa",
-                "rows": x.shape[0], "after_step": self.step,
+                "rows": x.shape[0], "loss_scale": self.arm.loss_scale, "after_step": self.step,
                 "finite": all(bool(t.isfinite().all()) for t in tensors),
                 "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             })

@@ -547,3 +547,91 @@ def test_qk_norm_starts_from_the_same_weights_and_feeds_attention_unit_rms_heads
             rms = t.float().pow(2).mean(-1).sqrt()
             assert torch.allclose(rms, torch.ones_like(rms), atol=1e-3)
     assert len(normed.attention_parameters(0)) == 4
+
+
+# -- the loss-scaled arms -------------------------------------------------------------------
+def _tiny_run(monkeypatch, base: str, loss_scale: float) -> dict[str, pd.DataFrame]:
+    """Three steps of the text task on a 2-layer model with arm `base`'s recipe and the loss
+    scale given (probes before the first step and after the last); its tables."""
+    arms = PARTS["arms"].ARMS
+    monkeypatch.setitem(arms, "scaled", dataclasses.replace(arms[base], loss_scale=loss_scale))
+    config = dataclasses.replace(STUDY.PRESETS["smoke"], steps=3, warmup=1, eval_every=3,
+                                 checkpoint_every=3, batch=4, val_batches=1,
+                                 corpus_bytes=200_000, activations_rows=0)
+    spec = STUDY.run_spec(config, {"task": "text", "seed": 0, "arm": "scaled"}, 0, 1)
+    found = PARTS["training"].train(spec, "cpu", "reference")
+    return {name: pd.DataFrame(found[name]) for name in ("metrics", "evals", "layers", "runs")}
+
+
+@pytest.mark.parametrize("base", ["exact", "bf16"])
+def test_a_loss_scale_leaves_unquantized_training_bit_for_bit_unchanged(monkeypatch, base):
+    """Without quantization (float32 attention, or bf16 operands: a power of two commutes
+    with their rounding) a loss scale of 2^13 and its unscaling are exact: the same losses,
+    gradient norms (8192x with no unscaling, 1/8192x with two), probes and final losses."""
+    one, scaled = _tiny_run(monkeypatch, base, 1.0), _tiny_run(monkeypatch, base, 2.0**13)
+    for name in ("metrics", "evals", "layers", "runs"):
+        drop = [c for c in TIMING if c in one[name]]
+        pd.testing.assert_frame_equal(scaled[name].drop(columns=drop),
+                                      one[name].drop(columns=drop), obj=name)
+
+
+def test_a_loss_scale_reaches_the_fixed_scale_do_quantizer_of_the_fp8_backward(monkeypatch):
+    """fa4fp4_causal's backward quantizes E5M2(4 dO): with the loss scaled by 2^13 fewer dO
+    elements flush (the probes' trace sees the scaled dO too), so the gradients differ, while
+    the logged norms stay the unscaled gradient's (within 10% of the unscaled run's)."""
+    one, scaled = _tiny_run(monkeypatch, "fp8pv", 1.0), _tiny_run(monkeypatch, "fp8pv", 2.0**13)
+    norms = ["grad_norm", *(f"attn_grad_norm_{i}" for i in range(2))]
+    first = one["metrics"].loc[0, norms].to_numpy(float)
+    again = scaled["metrics"].loc[0, norms].to_numpy(float)
+    assert (first != again).all()
+    np.testing.assert_allclose(again, first, rtol=0.1)
+    assert one["metrics"].loc[0, "loss"] == scaled["metrics"].loc[0, "loss"]  # same weights
+    initial = [t[t["step"] == -1].set_index("layer")["do_flushed"] for t in (one["layers"],
+                                                                            scaled["layers"])]
+    assert (initial[0] > 0).all() and (initial[1] < initial[0]).all()
+
+
+@pytest.mark.parametrize("scale", [0, -2.0, 3.0, math.inf, True])
+def test_a_loss_scale_that_is_not_a_positive_power_of_two_is_refused(scale):
+    arms = PARTS["arms"]
+    with pytest.raises(ValueError, match=r"arm 'NVFP4 Q/K, FP8 P/V.*\(fa4fp4_causal\): "
+                                         "loss_scale must be a positive power of two"):
+        dataclasses.replace(arms.ARMS["fp8pv"], loss_scale=scale)
+
+
+def test_the_loss_scaled_arms_are_the_routes_with_only_the_scale_changed():
+    arms, causes = PARTS["arms"], {c.arm: c for c in PARTS["arms"].CAUSES}
+    for name, base in (("fp8pv_loss_scaled", "fp8pv"), ("mxfp4pv_loss_scaled", "mxfp4pv")):
+        arm = arms.ARMS[name]
+        assert arm.recipe is arms.ARMS[base].recipe and arm.loss_scale == 2.0**13
+        assert dataclasses.replace(arm, what="", loss_scale=1.0) == dataclasses.replace(
+            arms.ARMS[base], what="")
+        assert causes[name].baseline == base
+        assert name in STUDY.PRESETS["full"].arms and name not in STUDY.PRESETS["smoke"].arms
+    assert all(a.loss_scale == 1 for n, a in arms.ARMS.items() if not n.endswith("_scaled"))
+
+
+# -- deterministic algorithms -----------------------------------------------------------------
+def test_deterministic_algorithms_are_set_by_the_flag_and_recorded(short, monkeypatch):
+    """The function the study calls on GPUs turns torch's deterministic algorithms on (warn
+    only) with cuBLAS's workspace setting, keeping one already set; config.json records the
+    field and each run's row the state it ran with (on the CPU: unchanged, so off)."""
+    training = PARTS["training"]
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        state = training.deterministic_algorithms(True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert state == {"deterministic_algorithms": True, "cublas_workspace_config": ":4096:8"}
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        assert training.deterministic_algorithms(True)["cublas_workspace_config"] == ":16:8"
+        assert not training.deterministic_algorithms(False)["deterministic_algorithms"]
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert json.loads((short / "config.json").read_text())["config"]["deterministic"] is True
+    runs = pd.read_parquet(short / "runs.parquet")
+    assert not runs["deterministic_algorithms"].any()
+    assert "cublas_workspace_config" in runs
