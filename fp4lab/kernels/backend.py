@@ -83,6 +83,7 @@ from fp4lab.recipes import (
     operand,
     resolve_recipe,
 )
+from fp4lab.recipes.checks import check_tiling
 
 __all__ = ["attention", "check_recipe"]
 
@@ -829,6 +830,7 @@ def attention(
             f"{q.shape[0]} into equal chunks"
         )
     block_m, block_n = recipe.tiles(block_m, block_n)
+    check_tiling(recipe, q.shape[-1], v.shape[-1], block_m, block_n)  # as the simulation's
     check_tile_scales(recipe, block_m, block_n, q.shape[-1], v.shape[-1])
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         check_backward(recipe, block_m, block_n)

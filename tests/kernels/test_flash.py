@@ -338,6 +338,21 @@ def test_p_blocked_along_the_queries_is_refused():
         fp4lab.attention(q, k, v, recipe, backend="triton")
 
 
+@pytest.mark.parametrize(
+    "recipe, tiles, words",
+    [("mxfp4", dict(block_m=16, block_n=16), "block_n=16 is not a multiple of 32"),
+     ("nvfp4", dict(block_m=0, block_n=32), "block_m must be a positive int"),
+     ("fa4fp4_causal_mxfp4pv", dict(block_m=32, block_n=16), "block_n=16")],
+    ids=["p-block-wider-than-tile", "zero-tile", "anchor-or-p-block"],
+)
+def test_tiles_the_simulation_refuses_the_kernels_refuse_in_the_same_words(recipe, tiles, words):
+    # was an interpreter shape error (P's block wider than the key tile) on the Triton path
+    q, k, v = inputs(1, 1, 1, 64, 64, 32, seed=6)
+    for backend in ("reference", "triton"):
+        with pytest.raises(ValueError, match=words):
+            fp4lab.attention(q, k, v, recipe, backend=backend, **tiles)
+
+
 def test_mask_and_dtype_are_refused_not_replaced():
     q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=5)
     with pytest.raises(NotImplementedError, match="attn_mask"):
