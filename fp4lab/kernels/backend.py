@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from fp4lab.formats import BF16, FP8_E4M3FN, FP16, FP32, FloatFormat, QuantSpec, round_to_format
+from fp4lab.formats.spec import Correction
 from fp4lab.formats.streams import as_generators, pass_key, stream_keys, tensor_uniforms
 from fp4lab.recipes import (
     AttentionRecipe,
@@ -245,7 +246,7 @@ def _operand(
         return x.to(_store_dtype(x)).contiguous(), ones
     if isinstance(spec, FloatFormat):
         return cast_to_format(x, spec).to(_store_dtype(x)).contiguous(), ones
-    from fp4lab.kernels.quantize import fake_quantize, quantize
+    from fp4lab.kernels.quantize import fake_quantize
 
     if _tile_factored(spec):
         return _tile_operand(x, recipe, field, rows)
@@ -258,15 +259,36 @@ def _operand(
         values = scope.back(fake_quantize(view, spec, **where))
         store = (values * (1.0 / spec.fixed_scale)).to(_store_dtype(x)).contiguous()
         return store, ones * spec.fixed_scale
-    if _factored_pass(spec):  # codes times block scales, the tensor scale as the factor
-        from fp4lab.kernels.quantize import fake_quantize_factored
-
-        values, decode = fake_quantize_factored(view, spec, **where)
-        store = scope.back(values).to(_store_dtype(x)).contiguous()
-        return store, ones * scope.factor(decode)
     noise = _noise(x, recipe, field, key)
     if noise is not None:
         noise = scope.view(noise)
+    if _factored_pass(spec):  # codes times block scales, the tensor scale as the factor
+        from fp4lab.kernels.quantize import fake_quantize_factored
+
+        values, decode = fake_quantize_factored(view, spec, noise=noise, **where)
+        store = scope.back(values).to(_store_dtype(x)).contiguous()
+        return store, ones * scope.factor(decode)
+    if _codes_pass(spec) or _power_pass(spec):  # the slow path's arithmetic in one pass
+        from fp4lab.kernels.quantize import StoredScale, fake_quantize_stored
+
+        power = spec.scale_rule.alpha_grid
+        stored = StoredScale.POWER if power else StoredScale.ONE
+        values, scales = fake_quantize_stored(
+            view, spec, stored, noise=noise, out_dtype=_store_dtype(x), **where
+        )
+        factor = ones / spec.element.max if power else ones * scope.factor(scales)
+        return scope.back(values).contiguous(), factor
+    return _quantized_operand(view, spec, scope, noise, where, _store_dtype(x))
+
+
+def _quantized_operand(view, spec: QuantSpec, scope: _Scope, noise, where: dict, store_dtype):
+    """`_operand`'s slow path, for the block formats no fused pass takes: the codes and scales
+    of the fused quantizer, then torch, each scale kept in the values where bf16 holds it and
+    moved to the factor where it does not (the fused `_codes_pass` and `_power_pass` give its
+    bits for their formats)."""
+    from fp4lab.kernels.quantize import quantize
+
+    ones = torch.ones(scope.factor_shape, dtype=torch.float32, device=view.device)
     qt = quantize(view, spec, noise=noise, **where)
     codes, scales = qt.element_values(), qt.expanded_scales()
     factor = ones
@@ -280,7 +302,7 @@ def _operand(
         scales = torch.ones_like(scales)
     if qt.tensor_scale is not None:
         factor = factor * scope.factor(qt.tensor_scale)
-    store = scope.back(codes * scales).to(_store_dtype(x))
+    store = scope.back(codes * scales).to(store_dtype)
     return store.contiguous(), factor
 
 
@@ -387,15 +409,73 @@ def _factored_pass(spec: QuantSpec) -> bool:
     """Whether `_operand` takes a tensor-scaled `spec` from the fused
     `fake_quantize_factored` (one pass after the tensor amax): the elements times their block
     scales in bf16 hold every product exactly (E2M1 times E4M3: at most 6 significant bits),
-    so they are the slow path's bits, and the tensor scale becomes the factor."""
+    so they are the slow path's bits, and the tensor scale becomes the factor. A stochastic
+    format (nvfp4_sr) rounds with the slow path's uniforms, handed to the same kernel: they
+    choose which grid value an element takes, not whether the product is exact."""
     if not spec.tensor_scale or spec.scale_rule.alpha_grid or spec.scale == FP32:
         return False
-    if spec.hadamard or spec.stochastic or spec.block is None:
+    if spec.hadamard or spec.correction is not Correction.NONE or spec.block is None:
         return False
     el, sc = spec.element, spec.scale
     digits = (el.mbits + 1) + (sc.mbits + 1)  # significant bits of a product, at most
     smallest = (el.emin - el.mbits) + (sc.emin - sc.mbits)  # log2 of the smallest product
     return digits <= 8 and smallest >= -126 and el.max * sc.max < 3.0e38
+
+
+def _codes_pass(spec: QuantSpec) -> bool:
+    """Whether `_operand` takes `spec`, one FP32 scale per tensor of the scope (fa3_fp8's per
+    head, fp8_per_tensor's per tensor), from the fused `fake_quantize_stored` with
+    `StoredScale.ONE`: one pass after the amax instead of the slow path's six. The same bits:
+    the slow path stores decode(encode(v)) times 1, rounded once from float32 into the store
+    dtype, and the FP32 scales as the factor; the kernel rounds the same v (the quantize
+    kernel's arithmetic, with the same uniforms where the format is stochastic), decode(encode(
+    v)) is v for every value on the grid (NaN: the NaN code's +NaN, or +0 in a format without
+    NaN, as `FloatFormat.decode`), its one rounding into bf16 is torch's (to nearest even, by
+    the instruction torch's CUDA cast uses; the interpreter stores float32), and its scales
+    are `quantize`'s, written by the same kernel. Refused: blocks (the
+    slow path's factor takes one FP32 scale per tensor of the scope), a tensor scale, an alpha
+    grid, a Hadamard transform, MS-EDEN, and element formats the kernels do not encode (where
+    the slow path's `quantize` raises)."""
+    if spec.block is not None or spec.scale != FP32 or spec.tensor_scale:
+        return False
+    if spec.scale_rule.alpha_grid or spec.hadamard or spec.correction is not Correction.NONE:
+        return False
+    return _encodable(spec.element)
+
+
+def _power_pass(spec: QuantSpec) -> bool:
+    """Whether `_operand` takes an alpha-grid `spec` (block scales s = fl(2^E / M_e), the
+    MXFP4 P/V route's V) from the fused `fake_quantize_stored` with `StoredScale.POWER`: the
+    slow path stores the codes times exp2(round(log2(s M_e))) where s > 0 (else 0), rounded
+    once from float32 into the store dtype, with 1/M_e as the factor; the kernel multiplies
+    the same codes (`_codes_pass`'s argument) by its own 2^E where s > 0, in one rounding into
+    the store dtype. These are the same number: the kernel's E is at least -126 (a smaller
+    amax flushes the block, s = 0), and s M_e = 2^E (1 + delta), s rounded once (normal:
+    |delta| <= 2^-24; subnormal: at most M_e 2^(-150 - E)) and the product once (2^-23), so
+    with M_e 2^(-150 - E) <= 2^-8 for the smallest E, log2 lands within 2^-7 of E and rounds
+    to it, and exp2 of an integer E in float32's range is 2^E (checked on every E of the
+    format, tests/kernels/test_operands.py). Refused where that bound fails (a format whose
+    s underflows: the slow path stores 0, the kernel 2^E) and as `_codes_pass` refuses."""
+    if not spec.scale_rule.alpha_grid or spec.block is None or spec.tensor_scale:
+        return False
+    if spec.hadamard or spec.correction is not Correction.NONE or not _encodable(spec.element):
+        return False
+    lo, hi = _alpha_exponents(spec)
+    return math.log2(spec.element.max) - 150 - lo <= -8 and hi <= 127
+
+
+def _alpha_exponents(spec: QuantSpec) -> tuple[int, int]:
+    """The smallest and largest E of an alpha-grid scale 2^E / M_e the quantizer gives: the
+    scale format's powers of two, E at least -126 (a smaller amax flushes its block)."""
+    lo = math.floor(math.log2(spec.scale.min_subnormal))
+    return max(lo, -126), math.floor(math.log2(spec.scale.max))
+
+
+def _encodable(fmt: FloatFormat) -> bool:
+    """Whether the fused quantizer encodes `fmt` (`fp4lab.kernels.quantize.encodes`)."""
+    from fp4lab.kernels.quantize import encodes
+
+    return encodes(fmt)
 
 
 def _fp8_pv(recipe: AttentionRecipe, block_n: int | None = None) -> bool:

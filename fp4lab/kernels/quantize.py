@@ -66,6 +66,7 @@ outside float32's exponent range, empty tensors, packing of codes that are not 4
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import math
 import os
@@ -91,7 +92,8 @@ from fp4lab.kernels.random import philox4x32, uniform53
 
 __all__ = [
     "LaunchConfig", "FAKE_QUANTIZE_CONFIG", "CODES_CONFIG", "PackedQuantized", "fake_quantize",
-    "fake_quantize_factored", "quantize", "quantize_packed", "philox_noise",
+    "fake_quantize_factored", "fake_quantize_stored", "StoredScale", "quantize",
+    "quantize_packed", "philox_noise",
 ]
 
 # -- compile-time codes of the enums (the kernels branch on them) -------------------------------
@@ -140,6 +142,10 @@ FLOAT16: tl.constexpr = tl.constexpr(2)
 NO_OUTPUT: tl.constexpr = tl.constexpr(3)
 BFLOAT16_BITS: tl.constexpr = tl.constexpr(4)  # written as int16 bits (the interpreter's way)
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+STORED_BLOCK: tl.constexpr = tl.constexpr(0)  # what the values are multiplied by: s (and d)
+STORED_ONE: tl.constexpr = tl.constexpr(1)  # nothing: the element values (StoredScale.ONE)
+STORED_POWER: tl.constexpr = tl.constexpr(2)  # 2^E of an alpha grid's s (StoredScale.POWER)
 
 TINY: tl.constexpr = tl.constexpr(2.0**-126)  # float32's smallest normal
 TWO_64: tl.constexpr = tl.constexpr(2.0**64)
@@ -530,9 +536,9 @@ def _scaled_elements(x, s, t, d, ARITH: tl.constexpr, TENSOR_SCALE: tl.constexpr
 @triton.jit
 def _alpha_scale(x, a, RULE: tl.constexpr, M_E_BITS: tl.constexpr, LO: tl.constexpr,
                  HI: tl.constexpr):
-    """(s, scaled) of the alpha-grid rules: E from a's binade and mantissa r as the rule says,
-    s = fl(2^E / M_e), elements fl(x * M_e) * 2^-E; zero and subnormal amax flush, NaN and inf
-    give a NaN scale (`_alpha_scale` of the reference)."""
+    """(s, scaled, 2^E) of the alpha-grid rules: E from a's binade and mantissa r as the rule
+    says, s = fl(2^E / M_e), elements fl(x * M_e) * 2^-E; zero and subnormal amax flush, NaN
+    and inf give a NaN scale (`_alpha_scale` of the reference)."""
     readable = (a < float("inf")) & (a > 0.0)
     e, r = _frexp(tl.where(readable, a, 1.0))
     if RULE == ALPHA_CEIL:
@@ -546,10 +552,11 @@ def _alpha_scale(x, a, RULE: tl.constexpr, M_E_BITS: tl.constexpr, LO: tl.conste
     e = tl.minimum(tl.maximum(e + up.to(tl.int32), LO), HI)
     finite = a < float("inf")
     flush = (a < TINY) & finite
-    s = tl.math.div_rn(_pow2(e), _f32(M_E_BITS))
+    power = _pow2(e)
+    s = tl.math.div_rn(power, _f32(M_E_BITS))
     s = tl.where(flush, 0.0, tl.where(finite, s, float("nan")))
     step = tl.where(flush, 0.0, _pow2(-e))
-    return s, (x * _f32(M_E_BITS)) * step
+    return s, (x * _f32(M_E_BITS)) * step, power
 
 
 @triton.jit
@@ -654,10 +661,11 @@ def _quantize_kernel(
     # -- rounding, dtypes and what to write --
     ROUNDING: tl.constexpr, SR_BITS: tl.constexpr, NOISE: tl.constexpr, IN_KIND: tl.constexpr,
     OUT_KIND: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_PACKED: tl.constexpr,
-    WRITE_SCALES: tl.constexpr, FACTORED: tl.constexpr,
+    WRITE_SCALES: tl.constexpr, FACTORED: tl.constexpr, STORED: tl.constexpr,
 ):
     """One tile of blocks: amax, block scale, scaled and rounded elements; writes the
-    fake-quantized values (value * s * d, or value * s and the decode d apart with FACTORED),
+    fake-quantized values (value * s * d, or value * s and the decode d apart with FACTORED;
+    with STORED the decoded values alone, or times 2^E of an alpha grid: `StoredScale`),
     codes, packed codes and scales as asked."""
     g, tr, tc, r, c = _tile(TILE_BR, ROW_STEP, BRP, TILE_BC, COL_STEP, BCP)
     if MASKED:
@@ -688,7 +696,7 @@ def _quantize_kernel(
         else:
             scaled = tl.math.div_rn(x, s)
     elif RULE >= ALPHA_CEIL:
-        s, scaled = _alpha_scale(x, a, RULE, M_E_BITS, LO, HI)
+        s, scaled, power = _alpha_scale(x, a, RULE, M_E_BITS, LO, HI)
     else:
         s, t = _block_scale(a, d, e, RULE, ARITH, TENSOR_SCALE, FLOOR, FLOOR_BITS, M_E_BITS,
                             INV_M_E_BITS, EL_MBITS, EL_EMAX, LO, HI, SC_MBITS, SC_EMIN,
@@ -702,9 +710,17 @@ def _quantize_kernel(
                          EL_SUBNORMALS, EL_FNUZ, EL_HAS_NAN, ROUNDING, SR_BITS)
     # -- outputs --
     if OUT_KIND != NO_OUTPUT:
-        out = v * s
-        if TENSOR_SCALE and not FACTORED:
-            out = out * d
+        if STORED == STORED_BLOCK:
+            out = v * s
+            if TENSOR_SCALE and not FACTORED:
+                out = out * d
+        else:  # decode(encode(v)): v, but NaN is the NaN code's (+NaN), or +0 without one
+            if EL_HAS_NAN:
+                out = tl.where(v == v, v, float("nan"))
+            else:
+                out = tl.where(v == v, v, 0.0)
+            if STORED == STORED_POWER:  # 2^E where s > 0, else 0 (`StoredScale.POWER`)
+                out = out * tl.where(s > 0.0, power, 0.0)
         _store_float32(out_ptr + flat, out, inside, OUT_KIND)
     if WRITE_CODES or WRITE_PACKED:
         codes = _encode(v, EL_MBITS, EL_EMIN, EL_SUBNORMALS, EL_SIGNED, EL_FNUZ, EL_SIGN_CODE,
@@ -1325,7 +1341,7 @@ _PLANS: dict = {}
 
 def _blocks_plan(x: torch.Tensor, req: _Request, out_dtype, wants: tuple) -> _BlocksPlan:
     """The cached plan for this call (see `_BlocksPlan`); wants: (fake, codes, packed,
-    scales, factored), the outputs asked for."""
+    scales, factored, stored), the outputs asked for."""
     noise = req.noise
     key = (id(req.spec), id(req.config), req.rounding, req.axis, req.batch_dims, x.dtype,
            tuple(x.shape), x.stride(), None if noise is None else noise.stride(),
@@ -1339,7 +1355,8 @@ def _blocks_plan(x: torch.Tensor, req: _Request, out_dtype, wants: tuple) -> _Bl
 
 
 def _make_blocks_plan(x: torch.Tensor, req: _Request, out_dtype, fake: bool, codes: bool,
-                      packed: bool, scales: bool, factored: bool = False) -> _BlocksPlan:
+                      packed: bool, scales: bool, factored: bool = False,
+                      stored: int = 0) -> _BlocksPlan:
     spec = req.spec
     planes = _planes(tuple(x.shape), spec, req.axis, req.batch_dims)
     tiling = _tiling(planes, req.config)
@@ -1368,7 +1385,7 @@ def _make_blocks_plan(x: torch.Tensor, req: _Request, out_dtype, fake: bool, cod
     constants = dict(**tiling.constants, **_spec_constants(spec, req.rounding),
                      NOISE=req.noise_kind, IN_KIND=kind, OUT_KIND=out_kind,
                      WRITE_CODES=codes or (packed and not fused), WRITE_PACKED=fused,
-                     WRITE_SCALES=scales, FACTORED=factored)
+                     WRITE_SCALES=scales, FACTORED=factored, STORED=stored)
     ss = _flat_strides(planes.scales_shape, planes.scale_groups) if scales else (0, 0, 0)
     strides = (*sx, *sn, *flat, *ss, nbr * nbc, nbc, 1)
     return _BlocksPlan(
@@ -1462,11 +1479,11 @@ def _run_eden(x: torch.Tensor, planes: _Planes, req: _Request, outputs: _Outputs
 
 
 def _compute(x: torch.Tensor, req: _Request, *, fake: bool = False, codes: bool = False,
-             packed: bool = False, scales: bool = False,
-             factored: bool = False) -> tuple[_Outputs, _Planes]:
+             packed: bool = False, scales: bool = False, factored: bool = False,
+             stored: int = 0, out_dtype: torch.dtype | None = None) -> tuple[_Outputs, _Planes]:
     """The kernels' outputs for x: the Hadamard transform first where the spec has one (the
     reference's torch matmul), then the passes; the fake-quantized values are finished (inverse
-    transform, x's dtype) and the scales put in the reference's layout."""
+    transform, x's dtype or `out_dtype`) and the scales put in the reference's layout."""
     spec = req.spec
     if packed and spec.element.bits not in (4, 8):
         raise ValueError(f"spec {spec.name}: packing takes 4- or 8-bit codes, the element "
@@ -1477,11 +1494,12 @@ def _compute(x: torch.Tensor, req: _Request, *, fake: bool = False, codes: bool 
     if spec.hadamard is not None:
         xw = _hadamard(xw.float(), spec, req.axis, inverse=False)
     eden = spec.correction is Correction.EDEN
-    out_dtype = torch.float32 if spec.hadamard is not None or eden else x.dtype
+    target = x.dtype if out_dtype is None else out_dtype
+    out_dtype = torch.float32 if spec.hadamard is not None or eden else target
     if eden:
         planes = _planes(tuple(x.shape), spec, req.axis, req.batch_dims)
     else:
-        plan = _blocks_plan(xw, req, out_dtype, (fake, codes, packed, scales, factored))
+        plan = _blocks_plan(xw, req, out_dtype, (fake, codes, packed, scales, factored, stored))
         planes = plan.planes
     outputs = _allocate(x, planes, req, out_dtype, fake=fake, codes=codes, packed=packed,
                         scales=scales, factored=factored)
@@ -1491,11 +1509,11 @@ def _compute(x: torch.Tensor, req: _Request, *, fake: bool = False, codes: bool 
             _run_eden(xw, planes, req, outputs)
         else:
             _run_blocks(xw, plan, req, outputs)
-    if fake and (spec.hadamard is not None or outputs.out.dtype != x.dtype):
+    if fake and (spec.hadamard is not None or outputs.out.dtype != target):
         out = outputs.out
         if spec.hadamard is not None:
             out = _hadamard(out, spec, req.axis, inverse=True)
-        outputs.out = out.to(x.dtype)
+        outputs.out = out.to(target)
     if outputs.scales is not None and planes.transposed:
         outputs.scales = outputs.scales.transpose(-1, -2)
     if outputs.decode is not None:
@@ -1503,12 +1521,17 @@ def _compute(x: torch.Tensor, req: _Request, *, fake: bool = False, codes: bool 
     return outputs, planes
 
 
-def _check_codes(spec: QuantSpec) -> None:
-    """The kernels encode formats of at most 16 bits whose smallest normal maps onto float32's
-    by a float32 power of two (`_encode`)."""
-    fmt = spec.element
+def encodes(fmt: FloatFormat) -> bool:
+    """Whether the kernels encode element format `fmt`: at most 16 bits, and its smallest
+    normal maps onto float32's by a float32 power of two (`_encode`)."""
     ok = fmt.emin <= 23 if fmt.subnormals else fmt.emin >= -126 or fmt.mbits == 0
-    if fmt.bits > 16 or not ok:
+    return fmt.bits <= 16 and ok
+
+
+def _check_codes(spec: QuantSpec) -> None:
+    """`encodes` of the element format, or a ValueError naming it."""
+    fmt = spec.element
+    if not encodes(fmt):
         raise ValueError(f"spec {spec.name}: the kernels do not encode {fmt.name} (they take "
                          f"at most 16 bits, and emin <= 23 where the format has subnormals)")
 
@@ -1584,26 +1607,74 @@ def fake_quantize(
 
 def fake_quantize_factored(
     x: torch.Tensor, spec: QuantSpec | str, *, axis: int = -1, batch_dims: int = 0,
-    config: LaunchConfig | None = None,
+    noise: torch.Tensor | None = None, config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, decode) in one fused pass after the tensor amax: values the elements times
     their block scales in x's dtype, without the tensor scale, and decode that tensor scale
     (shaped as `QuantizedTensor.tensor_scale`), so values * decode is `fake_quantize`'s
-    result up to its final rounding. For a block format with a tensor scale, rounding to
-    nearest, no Hadamard transform, MS-EDEN or alpha grid: what the attention kernels read
-    (E2M1 times an E4M3 scale is exact in bf16; the tensor scale is not, and stays a factor).
+    result up to its final rounding. For a block format with a tensor scale, no Hadamard
+    transform, MS-EDEN or alpha grid: what the attention kernels read (E2M1 times an E4M3
+    scale is exact in bf16; the tensor scale is not, and stays a factor). A stochastic
+    format rounds with `noise` (uniforms of x's shape, as `fake_quantize` takes them).
     Not differentiable."""
-    req = _request(x, spec, axis, None, batch_dims, None, None, 0, None,
+    req = _request(x, spec, axis, None, batch_dims, noise, None, 0, None,
                    FAKE_QUANTIZE_CONFIG if config is None else config)
     spec = req.spec
-    if not spec.tensor_scale or spec.hadamard is not None or spec.stochastic or (
+    if not spec.tensor_scale or spec.hadamard is not None or (
         spec.correction is Correction.EDEN or spec.scale_rule.alpha_grid
     ):
         raise ValueError(f"spec {spec.name}: fake_quantize_factored takes a block format with "
-                         "a tensor scale, rounding to nearest, no Hadamard transform, MS-EDEN "
-                         "or alpha grid")
+                         "a tensor scale, no Hadamard transform, MS-EDEN or alpha grid")
     outputs, _ = _compute(x, req, fake=True, factored=True)
     return outputs.out, outputs.decode
+
+
+class StoredScale(enum.Enum):
+    """What `fake_quantize_stored` multiplies each element's value v (the decoded code, as
+    `QuantizedTensor.element_values`: NaN as the format's NaN code decodes, +0 where it has
+    none) by, in float32, before the one rounding into the output dtype."""
+
+    ONE = "one"
+    """1: the element values alone, the block scales (FP32 ones per tensor) kept apart."""
+    POWER = "power"
+    """2^E of an alpha grid's scale s = fl(2^E / M_e) where s > 0, else 0: the value times
+    M_e, the 1/M_e kept apart."""
+
+
+_STORED = {StoredScale.ONE: STORED_ONE.value, StoredScale.POWER: STORED_POWER.value}
+
+
+def fake_quantize_stored(
+    x: torch.Tensor, spec: QuantSpec | str, stored: StoredScale, *, axis: int = -1,
+    batch_dims: int = 0, noise: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32, config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values, scales) in one fused pass (after the first pass where the format needs one):
+    values each element's value times `stored`'s multiplier (`StoredScale`) rounded once into
+    `out_dtype` (float32, or bfloat16 to nearest even: on the GPU by the conversion torch's
+    own CUDA cast uses, NaN included), and with StoredScale.ONE the float32 block scales as
+    `quantize` writes them (None with POWER). For a block format without a tensor scale,
+    Hadamard transform or MS-EDEN (POWER: with an alpha grid); a stochastic format rounds
+    with `noise`. What the attention kernels read where a scale cannot be folded into bf16
+    values. Not differentiable."""
+    if not isinstance(stored, StoredScale):
+        raise TypeError(f"stored must be a StoredScale, got {type(stored).__name__}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    req = _request(x, spec, axis, None, batch_dims, noise, None, 0, None,
+                   FAKE_QUANTIZE_CONFIG if config is None else config)
+    spec = req.spec
+    power = stored is StoredScale.POWER
+    if spec.tensor_scale or spec.hadamard is not None or (
+        spec.correction is Correction.EDEN or spec.scale_rule.alpha_grid != power
+    ):
+        raise ValueError(f"spec {spec.name}: fake_quantize_stored takes a block format without "
+                         "a tensor scale, Hadamard transform or MS-EDEN, with an alpha grid for "
+                         "StoredScale.POWER and without one for StoredScale.ONE")
+    _check_codes(spec)  # the values are the codes' (`quantize` refuses what it cannot encode)
+    outputs, _ = _compute(x, req, fake=True, scales=not power, stored=_STORED[stored],
+                          out_dtype=out_dtype)
+    return outputs.out, outputs.scales
 
 
 def quantize(
