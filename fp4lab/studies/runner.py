@@ -458,9 +458,18 @@ def _reproduce(path: Path, record: dict) -> str:
              f"{s['started']}" for i, s in enumerate(sessions)]
     return (
         "## Reproduce\n\n```\n" + " ".join(words) + "\n```\n\n"
-        + f"{record['cells']} cells; the same seed on the same device gives the same numbers.\n\n"
+        + f"{record['cells']} cells; {_determinism(record['device'])}\n\n"
         + "\n".join(lines) + "\n"
     )
+
+
+def _determinism(device: str) -> str:
+    """What a rerun of the same command and commit is known to repeat, on `device`."""
+    if device.startswith("cpu"):
+        return "on the CPU the same seed gives the same numbers (tested)."
+    return ("on a GPU the same seed and commit need not repeat the numbers bit for bit: CUDA "
+            "kernels outside fp4lab (an embedding's backward, cuBLAS's split reductions) are "
+            "nondeterministic unless the study asks torch for deterministic algorithms.")
 
 
 class _Ranks:
