@@ -163,25 +163,32 @@ def _trace_row(frame) -> dict:
 _OVERFLOW_CACHE: dict = {}
 
 
-def p_overflow_log2(recipe, head_dim: int = 64) -> float:
+def p_overflow_log2(recipe, head_dim: int = 64, backend: str = "reference",
+                    device: str | torch.device = "cpu") -> float:
     """The smallest log2 P, against a fixed row reference, at which the recipe's own output
-    turns non-finite, measured on the reference path (bisection to 1/32) on one row (query
-    100 of 128) whose scores are 0 but for one key (key 40: past the anchor's first 32 keys,
-    off the leakage fix's diagonal blocks), V all 0.5 (inf: none up to 256). It is the
-    recipe's own point, below float32's 128 by what its arithmetic adds on top of P (block
-    values before their 1/M_e, sums): 117.5 for fa4fp4_causal_mxfp4pv and 125.5 for its D64
-    form, as measured."""
-    key = (recipe.name, head_dim)
+    turns non-finite (bisection to 1/32) on one row (query 100 of 128) whose scores are 0 but
+    for one key (key 40: past the anchor's first 32 keys, off the leakage fix's diagonal
+    blocks), V all 0.5 (inf: none up to 256), log2 P counted from the unquantized scores.
+    On the reference path (float32 inputs) it is the recipe's own point, below float32's 128
+    by what its arithmetic adds on top of P: 117.5 for fa4fp4_causal_mxfp4pv and 125.5 for
+    its D64 form, as measured. backend="triton" measures the kernels (bf16 inputs on
+    `device`), which apply P's and V's 1/M_e after the P V product: under the interpreter,
+    116.5 for the D64 form (and about 118 for the D128 one: its anchor path overflows first
+    on the reference too)."""
+    key = (recipe.name, head_dim, backend)
     if key not in _OVERFLOW_CACHE:
         margin = (recipe.anchor_margin / math.sqrt(head_dim)
                   if recipe.row_reference is RowReference.ANCHOR else 0.0)
+        dtype = torch.bfloat16 if backend == "triton" else torch.float32
 
         def finite(z: float) -> bool:
             q, k = torch.zeros(2, 1, 1, 128, head_dim)
             v = torch.full((1, 1, 128, head_dim), 0.5)
             q[0, 0, 100, 0] = 8.0
             k[0, 0, 40, 0] = (z / math.log2(math.e) + margin) * math.sqrt(head_dim) / 8.0
-            out = fp4lab.attention(q, k, v, recipe, causal=True, block_m=64, block_n=64)
+            q, k, v = (t.to(device, dtype) for t in (q, k, v))
+            out = fp4lab.attention(q, k, v, recipe, causal=True, block_m=64, block_n=64,
+                                   backend=backend)
             return bool(out[0, 0, 100].isfinite().all())
 
         lo, hi = 0.0, 256.0
@@ -224,10 +231,8 @@ def autopsy(model: GPT, x, y, call: AttentionCall, autocast) -> list[dict]:
                "inputs_finite": inputs_finite,
                "o_nonfinite": int((~o.isfinite()).sum()), "o_rows_nonfinite": int(bad.sum()),
                **_scores(q.float(), k.float(), call.recipe)}
-        row |= (_peaks_of_rows(q.float(), k.float(), call.recipe, bad) if inputs_finite
-                else {"p_log2_peak_nonfinite_rows": float("nan"),
-                      "p_overflow_log2": float("nan"), "rows_p_overflow": -1,
-                      "nonfinite_rows_p_overflow": -1})
+        row |= (_peaks_of_rows(q.float(), k.float(), call, bad) if inputs_finite
+                else _NO_PEAKS)
         origin = inputs_finite and row["o_nonfinite"] > 0 and not found
         found = found or origin
         row["origin"] = origin
@@ -244,25 +249,43 @@ def _nonfinite_output(q, k, v, call: AttentionCall, layer: int) -> int:
     return int((~attend(q, k, v, reference, layer).isfinite()).sum())
 
 
-def _peaks_of_rows(q, k, recipe, rows: torch.Tensor) -> dict:
+_NO_PEAKS = {"p_log2_peak_nonfinite_rows": float("nan"), "p_overflow_log2": float("nan"),
+             "rows_p_overflow": -1, "nonfinite_rows_p_overflow": -1,
+             "p_overflow_log2_kernel": float("nan"), "rows_p_overflow_kernel": -1,
+             "nonfinite_rows_p_overflow_kernel": -1}
+
+
+def _peaks_of_rows(q, k, call: AttentionCall, rows: torch.Tensor) -> dict:
     """log2 P's peak (against the recipe's fixed row reference) over the (B, H, T) rows
     marked (NaN where none is), the recipe's overflow point (`p_overflow_log2`) and the rows
-    whose peak reaches it, overall and among those marked (-1 without a fixed reference)."""
+    whose peak reaches it, overall and among those marked (-1 without a fixed reference);
+    the same against the kernels' own point (`_kernel` columns) when the call ran on Triton
+    (NaN and -1 otherwise)."""
+    recipe = call.recipe
     fixed = recipe is not None and recipe.row_reference in (RowReference.ANCHOR,
                                                            RowReference.ZERO)
     if not fixed:
-        return {"p_log2_peak_nonfinite_rows": float("nan"), "p_overflow_log2": float("nan"),
-                "rows_p_overflow": -1, "nonfinite_rows_p_overflow": -1}
+        return dict(_NO_PEAKS)
     t, d = q.shape[-2], q.shape[-1]
     s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
     s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1),
                       float("-inf"))
     peaks = _row_log2_peaks(s, recipe, d)
-    point = p_overflow_log2(recipe, d)
-    over = peaks >= point
-    return {"p_log2_peak_nonfinite_rows": float(peaks[rows].amax()) if bool(rows.any())
-            else float("nan"), "p_overflow_log2": point, "rows_p_overflow": int(over.sum()),
-            "nonfinite_rows_p_overflow": int((over & rows).sum())}
+    found = {"p_log2_peak_nonfinite_rows": float(peaks[rows].amax()) if bool(rows.any())
+             else float("nan")}
+    points = {"": p_overflow_log2(recipe, d)}
+    if call.backend == "triton":
+        points["_kernel"] = p_overflow_log2(recipe, d, "triton", q.device)
+    for suffix in ("", "_kernel"):
+        if suffix not in points:
+            found |= {f"p_overflow_log2{suffix}": float("nan"),
+                      f"rows_p_overflow{suffix}": -1, f"nonfinite_rows_p_overflow{suffix}": -1}
+            continue
+        over = peaks >= points[suffix]
+        found |= {f"p_overflow_log2{suffix}": points[suffix],
+                  f"rows_p_overflow{suffix}": int(over.sum()),
+                  f"nonfinite_rows_p_overflow{suffix}": int((over & rows).sum())}
+    return found
 
 
 def _gradient_error(q, k, v, do, call: AttentionCall, layer: int) -> dict:

@@ -534,6 +534,8 @@ AUTOPSY_COLUMNS = {
     "o_rows_nonfinite": "rows non-finite", "p_overflow_log2": "overflow point",
     "nonfinite_rows_p_overflow": "of them past it", "rows_p_overflow": "rows past it",
     "p_log2_peak_nonfinite_rows": "log2 P peak there",
+    "p_overflow_log2_kernel": "kernel's point", "nonfinite_rows_p_overflow_kernel":
+    "of them past the kernel's",
     "max_logit": "max logit", "reference_nonfinite": "reference non-finite",
     "exact_nonfinite": "exact non-finite",
 }
@@ -595,7 +597,9 @@ def _autopsy(autopsy: pd.DataFrame | None, table: pd.DataFrame) -> str:
         "reference (the anchor, or 0; -1 for a running or lazy maximum) at or past the "
         "recipe's overflow point (the log2 P at which its own output turns non-finite, "
         "measured on the reference path on one dominant key: 117.5 for the D128 anchor "
-        "route, 125.5 for the D64 one), computed from the "
+        "route, 125.5 for the D64 one) and, for a run on the Triton kernels, their own point "
+        "(measured on them the same way; they apply P's and V's 1/M_e after the P V "
+        "product, so they can overflow first), computed from the "
         "unquantized q, k (the recipe scores its quantized Q, K, which moves a row's peak by "
         "up to a few log2 units); the largest logit; and the non-finite output elements of "
         "the same recipe recomputed on the reference path and of exact attention on the "
