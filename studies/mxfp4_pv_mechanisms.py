@@ -121,9 +121,10 @@ def _route_v(r: AttentionRecipe, **fields) -> dict:
 
 
 def _without_underflow(b: AttentionRecipe, r: AttentionRecipe) -> dict:
-    """The route's P codes against the FP8 route's row reference, no exponent floor."""
+    """The route's P codes against the FP8 route's row reference, no exponent floor (and so
+    no stored-scale shift, which needs one)."""
     return dict(row_reference=b.row_reference, lazy_rescale_log2=b.lazy_rescale_log2,
-                p_min_exponent=None)
+                p_min_exponent=None, p_scale_shift=0)
 
 
 Pair = Callable[[AttentionRecipe, AttentionRecipe], tuple[AttentionRecipe, AttentionRecipe]]

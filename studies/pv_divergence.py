@@ -224,7 +224,7 @@ class PVDivergenceConfig:
 _VARIANTS = ("mxfp4pv_d64", "mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_no_rowcorr",
              "mxfp4pv_running_max", "mxfp4pv_leakfix", "mxfp4pv_e4m3qkv", "fp8pv_exact_bwd",
              "mxfp4pv_exact_bwd", "mxfp4pv_qknorm", "fp8pv_qknorm", "fp8pv_loss_scaled",
-             "mxfp4pv_loss_scaled")
+             "mxfp4pv_loss_scaled", "mxfp4pv_unshifted")
 PRESETS = {
     "smoke": PVDivergenceConfig(
         arms=("bf16", "fp8pv", "mxfp4pv", "mxfp4_v_only", "mxfp4pv_leakfix"), seeds=(0, 1),

@@ -160,17 +160,26 @@ def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, ps: Pass) 
     # -- update l_i and acc -- (dropout drops weights of P V; l_i sums them all, as SDPA)
     v_j = ops.v[:, :, block.j0 : block.j1]
     keep = _dropout(block, ps, ps.draws, p)
-    weights_pv = p_hat.values if keep is None else p_hat.values * keep
+    # P V and the row sum run on P^ 2^-S (Direct-P's stored-scale shift: exact, a power of
+    # two; it cancels in O and `_forward_chunk` adds it back to the lse)
+    down = 2.0 ** -ps.recipe.p_scale_shift
+    stored = p_hat.values * down if down != 1.0 else p_hat.values
+    weights_pv = stored if keep is None else stored * keep
     if diagonal is None:
         pv = times_key(weights_pv, v_j)  # (B, Hkv, G, n, g, bm, Dv)
     else:  # the leakage fix: P's diagonal blocks times V's, unquantized
         exact_p = p if keep is None else p * keep
+        if down != 1.0:
+            exact_p = exact_p * down
         pv = times_key(weights_pv.masked_fill(diagonal, 0), v_j)
         pv += times_key(exact_p.masked_fill(~diagonal, 0), ops.v_plain[:, :, block.j0 : block.j1])
     zero_skipped(pv, skipped)
     consumed = ps.recipe.row_sum is RowSum.QUANTIZED_P
-    rescale_add(sm.l_i, weights, (p_hat.values if consumed else p).sum(-1))
+    row = stored if consumed else (p if down == 1.0 else p * down)
+    rescale_add(sm.l_i, weights, row.sum(-1))
     rescale_add(sm.acc, weights, pv)
+    if down != 1.0:  # the trace sees P^ V^ itself
+        pv = pv / down
     if sm.acc_prime is not None:  # Attn-QAT's O' = (P V^) / sum P
         p_kept = p if keep is None else p * keep
         rescale_add(sm.acc_prime, weights, zero_skipped(times_key(p_kept, v_j), skipped))
@@ -215,6 +224,11 @@ def _forward_chunk(ops: Operands, ps: Pass, chunk, observer, m_ref):
             watch.step(step)
         del step  # its block temporaries, before the next block makes its own
     o, lse = sm.finish()
+    shift = ps.recipe.p_scale_shift
+    if shift:  # the sums ran on P^ 2^-S: the lse of P^ itself, from l 2^S where it is finite
+        full = sm.l_i * 2.0**shift  # (exact: a power of two) as without the shift, bit for bit
+        lse = torch.where(sm.l_i == 0, lse, torch.where(
+            full.isfinite(), sm.m_i + torch.log(full), lse + shift * math.log(2.0)))
     if watch is not None:
         watch.finish(o, lse)
     return o, lse, (sm.finish(prime=True)[0] if sm.acc_prime is not None else None)

@@ -79,7 +79,10 @@ def _direct_p(s, m_row, recipe: AttentionRecipe, counts: bool) -> Quantized:
             )
             u = torch.where(chosen.view(-1, 1), affine, u)
     codes = round_to_format(u, spec.element)
-    p_hat = (torch.exp2(e_b) * codes / m_e).reshape(z.shape)
+    # 2^e_B times codes / M_e: no intermediate overflows at e_B = 127 (the released kernel
+    # never forms 2^e_B codes either: it stores its scale S steps low, `p_scale_shift`);
+    # the same bits as (2^e_B codes) / M_e wherever that is finite and normal
+    p_hat = (torch.exp2(e_b) * (codes / m_e)).reshape(z.shape)
     found = None
     if counts:  # codes past M_e; e_B clamped at the bottom (no overflow)
         seen = top.squeeze(-1) > -math.inf

@@ -608,7 +608,7 @@ def p_quantizer(recipe: AttentionRecipe):
 
     if recipe.p_quant is PQuant.DIRECT:
         return PQuantizer.direct(recipe.p, recipe.p_min_exponent, recipe.direct_p_affine,
-                                 recipe.direct_p_affine_groups)
+                                 recipe.direct_p_affine_groups, recipe.p_scale_shift)
     if recipe.p_quant is PQuant.ROW_SCALED:
         return PQuantizer.row_scaled(recipe.p, recipe.p_lift)
     return PQuantizer.of(recipe.p, recipe.p_lift)

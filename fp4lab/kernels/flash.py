@@ -189,6 +189,7 @@ class PQuantizer:
     1 TE_ENCODE, 2 RECIPROCAL, 3 DIVIDE_UNROUNDED; TENSOR: a per-tile tensor scale (TE_ENCODE's).
     SR: the elements round stochastically (block formats only; the scales stay nearest),
     with SR_BITS random bits (0: the whole 32-bit word, the reference's sr_bits=None).
+    Direct-P's LIFT is 2^-S, its stored-scale shift (`direct`, `shift`).
     """
 
     MODE: int
@@ -203,6 +204,11 @@ class PQuantizer:
     EMAX_E: int = 0  # the element format's largest exponent (OCP's floor rule)
     SR: bool = False
     SR_BITS: int = 0
+
+    @property
+    def shift(self) -> int:
+        """Direct-P's stored-scale shift S (its LIFT is 2^-S), 0 for every other mode."""
+        return -round(math.log2(self.LIFT)) if self.MODE == 3 else 0
 
     @classmethod
     def of(cls, spec, lift: float, field: str = "p") -> PQuantizer:
@@ -239,14 +245,16 @@ class PQuantizer:
 
     @classmethod
     def direct(cls, spec, p_min_exponent: int | None, affine=None,
-               affine_groups: int | None = None) -> PQuantizer:
+               affine_groups: int | None = None, shift: int = 0) -> PQuantizer:
         """Direct-P with the alpha-grid block format `spec` (fp4-fa4's
         ``hao_direct_transform_pack_mxfp4_quarter_log2``, `fp4lab.analysis.p_quant`):
         SCALE_POW2 is e_B's range, its floor raised to `p_min_exponent`. Direct-P has no
         scale grid, so its SCALE slot carries the affine code map (the recipe's
         `direct_p_affine` (A, B) on the blocks `affine_groups` selects, bit g the g-th block
         of each key tile, None all): (1, A, B, the group mask; -1 all), (0, 0, 0, 0) without
-        one (`_direct_values`)."""
+        one (`_direct_values`). LIFT carries the stored-scale shift `shift` S as 2^-S (the
+        recipe's `p_scale_shift`): the kernel's P V and row sum run on P^ 2^-S, and its
+        log-sum-exp adds S back."""
         check_direct_p(spec)
         lo = math.floor(math.log2(spec.scale.min_subnormal))
         if p_min_exponent is not None:
@@ -257,7 +265,8 @@ class PQuantizer:
             a, b = affine
             scale = (1.0, float(a), float(b), -1 if affine_groups is None else int(affine_groups))
         return cls(
-            MODE=3, ELEM=_grid(spec.element), SCALE=scale, SCALE_POW2=(lo, hi),
+            MODE=3, LIFT=2.0**-shift, ELEM=_grid(spec.element), SCALE=scale,
+            SCALE_POW2=(lo, hi),
             BLOCK=spec.block[0], RULE=_RULES[spec.scale_rule], EMAX_E=spec.element.emax,
         )  # fmt: skip
 
@@ -576,16 +585,20 @@ def _direct_p(
     AFF_A: tl.constexpr = 0.0,
     AFF_B: tl.constexpr = 0.0,
     AFF_MASK: tl.constexpr = 0,
+    LIFT: tl.constexpr = 1.0,
 ):
     """Direct-P's values of a tile of z = log2 P: per block of QBLOCK keys, e_B from the
     block's largest z by the alpha rule (in the log domain, as `fp4lab.analysis.p_quant`),
     clamped to [E_LO, E_HI]; codes E2M1(2^(z - e_B + log2 M_e)) (or of the affine map,
-    `_direct_values`); values codes 2^e_B (exact in bf16), whose products the caller
-    multiplies by 1 / M_e."""
+    `_direct_values`); values codes 2^e_B LIFT (exact in bf16: LIFT = 2^-S, the stored-
+    scale shift, with E_LO >= S - 126, applied to the codes first so that no product
+    overflows), whose products the caller multiplies by 1 / M_e."""
     zb = tl.reshape(z, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
     e = _direct_exponent(tl.max(zb, axis=2), RULE, E_LO, E_HI)
     u = _direct_values(zb, e, BLOCK_N // QBLOCK, LOG2_ME, AFF, AFF_A, AFF_B, AFF_MASK)
     codes = _round(u, EQ_LO, EQ_HI, E_UNIT, E_MAX)
+    if LIFT != 1.0:
+        codes = codes * LIFT
     return tl.reshape(codes * _pow2(e.to(tl.int32))[:, :, None], (BLOCK_M, BLOCK_N))
 
 
@@ -821,6 +834,7 @@ def _fwd_inner(
             p_hat = _direct_p(
                 z, BLOCK_M, BLOCK_N, QBLOCK, RULE, E_LO, E_HI, EQ_LO, EQ_HI, E_UNIT, E_MAX,
                 LOG2_ME, SQ_LO, SQ_HI, S_UNIT, S_MAX,  # Direct-P's SCALE slot: the affine map
+                LIFT,  # Direct-P's LIFT slot: 2^-S, the stored-scale shift
             )
             factor = 1.0 / E_MAX
             if not ROW_SUM_Q or (MASKED and LEAK > 0) or PRIME or TRACE:
@@ -841,6 +855,8 @@ def _fwd_inner(
         if MASKED and LEAK > 0:  # the leakage fix: the diagonal blocks' P leaves P^
             diagonal = (offs_m[:, None] // LEAK) == (offs_n[None, :] // LEAK)
             p_exact = tl.where(diagonal, p, 0.0)
+            if MODE == 3 and LIFT != 1.0:  # in P^'s shifted units, as P V and l take them
+                p_exact = p_exact * LIFT
             p_hat = tl.where(diagonal, 0.0, p_hat)
         # -- update l_i and acc --
         if ROW_SUM_Q:
@@ -905,6 +921,8 @@ def _fwd_inner(
                 acc_p = acc_p * alpha[:, None] + pv_p
         if TRACE:  # the statistics of P^ as P V consumed it
             p_used = p_hat * factor
+            if MODE == 3 and LIFT != 1.0:  # P^ itself, not its 2^-S shifted form
+                p_used = p_used * (1.0 / LIFT)
             p_seen = p
             if MODE == 6:
                 p_used = tl.div_rn(p_used, r[:, None])
@@ -954,7 +972,7 @@ def _attn_fwd(
     SR: tl.constexpr, SR_BITS: tl.constexpr, SMOOTH_Q: tl.constexpr, TILE_SCOPE: tl.constexpr,
     # instrumentation: per-tile statistics (`FORWARD_STATS`, `OUT_STATS`), off by default
     TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, UNDER: tl.constexpr = 0.0,
-    OVER: tl.constexpr = 0.0,
+    OVER: tl.constexpr = 0.0, P_SHIFT: tl.constexpr = 0,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
     units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
@@ -1069,7 +1087,14 @@ def _attn_fwd(
     )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
-    lse = m_i + tl.log2(tl.where(empty, 1.0, l_i))
+    if P_SHIFT != 0:  # Direct-P's sums ran on P^ 2^-S: the log-sum-exp of P^ itself, from
+        # l 2^S where it is finite (as without the shift, bit for bit), else log2 l + S
+        full = l_i * (1.0 / LIFT)
+        back = full < float("inf")
+        lse = m_i + tl.log2(tl.where(empty, 1.0, tl.where(back, full, l_i)))
+        lse = tl.where(back, lse, lse + P_SHIFT)
+    else:
+        lse = m_i + tl.log2(tl.where(empty, 1.0, l_i))
     if not LSE_LOG2:
         lse = lse * 0.6931471805599453
     lse = tl.where(empty, float("inf"), lse)
@@ -1322,7 +1347,8 @@ def attention_forward(
         LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
         ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=o_prime is not None,
         SAVE_M=m_ref is not None, SR=pq.SR, SR_BITS=pq.SR_BITS,
-        SMOOTH_Q=mean_scores is not None, TILE_SCOPE=tile_scope, **instrument,
+        SMOOTH_Q=mean_scores is not None, TILE_SCOPE=tile_scope, P_SHIFT=pq.shift,
+        **instrument,
         num_warps=num_warps,
         num_stages=num_stages,
         enable_fp_fusion=FP_FUSION,

@@ -260,15 +260,15 @@ def _quantize_tile(
     mag = x
     if SIGNED:
         mag = tl.abs(x)
-    if MODE == 3:  # Direct-P: codes from z
+    if MODE == 3:  # Direct-P: codes from z (LIFT: 2^-S, the stored-scale shift)
         if TRANS:
             values = tl.trans(_direct_p(tl.trans(z), COLS, ROWS, QBLOCK, RULE, E_LO, E_HI, EQ_LO,
                                         EQ_HI, E_UNIT, E_MAX, LOG2_ME, SQ_LO, SQ_HI, S_UNIT,
-                                        S_MAX))  # fmt: skip
+                                        S_MAX, LIFT))  # fmt: skip
         else:  # Direct-P's SCALE slot holds its affine map (`PQuantizer.direct`)
             values = _direct_p(z, ROWS, COLS, QBLOCK, RULE, E_LO, E_HI, EQ_LO, EQ_HI, E_UNIT,
-                               E_MAX, LOG2_ME, SQ_LO, SQ_HI, S_UNIT, S_MAX)  # fmt: skip
-        factor = 1.0 / E_MAX
+                               E_MAX, LOG2_ME, SQ_LO, SQ_HI, S_UNIT, S_MAX, LIFT)  # fmt: skip
+        factor = 1.0 / (E_MAX * LIFT)
     elif MODE == 4:  # one FP32 scale t = amax / M_e per tile, elements x / t
         a = mag * LIFT
         amax = tl.zeros_like(a) + tl.max(tl.max(a, 1), 0)

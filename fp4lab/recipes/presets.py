@@ -512,6 +512,11 @@ def FA4FP4_CAUSAL_MXFP4PV() -> AttentionRecipe:
       (``MX_SCALE_SELECT`` 4, the "max-safe ceiling"), no lower than -94 (stored-scale shift
       32: the working E8M0 is at least 33), codes E2M1(6 P / 2^e_B): the block's largest
       code sits at 2^e_B, not OCP's floor rule.
+    - Each P block scale stored 32 exponent steps low (``stored_e8m0 = e8m0 - SHIFT`` in
+      ``tk_fa4/fp4_fa4_fwd/hao_direct_fp4pv_kernel.inc``): P V and the denominator run on
+      P^ 2^-32 and share it, so O is unchanged and the saved log-sum-exp adds it back
+      (``upstream_mx_lse_log2_correction``); it keeps those sums 32 powers of two from
+      float32's top (`p_scale_shift`).
     - The denominator summed from the represented P (``QUANTIZED_DENOM``).
     - V in MXFP4 along the sequence, 1 x 32 blocks, elements E2M1(6 x / alpha) with the
       E8M0 alpha rounded up exactly when amax / 2^floor(log2 amax) >= 1.203125
@@ -530,6 +535,7 @@ def FA4FP4_CAUSAL_MXFP4PV() -> AttentionRecipe:
         anchor_keys=32,
         anchor_margin=_ANCHOR_MARGIN,
         p_min_exponent=33 - 127,
+        p_scale_shift=32,
     )
 
 
@@ -552,6 +558,7 @@ def FA4FP4_CAUSAL_MXFP4PV_D64() -> AttentionRecipe:
         p=MXFP4_ALPHA_HALF,
         row_reference=RowReference.ZERO,
         p_min_exponent=17 - 127,
+        p_scale_shift=16,
     )
 
 
@@ -577,6 +584,7 @@ def FA4FP4_CAUSAL_MXFP4PV_FIXED() -> AttentionRecipe:
         anchor_keys=32,
         anchor_margin=_ANCHOR_MARGIN,
         p_min_exponent=33 - 127,
+        p_scale_shift=32,
         leakage_fix=True,
         source="MrHuff/fp4-fa4's MXFP4 P/V route with MatX's future-leakage fix",
     )
@@ -640,6 +648,7 @@ def FA4FP4_DIRECTP() -> AttentionRecipe:
         direct_p_affine=(1.50, 1.20),
         direct_p_affine_groups=0b1110,
         p_min_exponent=17 - 127,
+        p_scale_shift=16,
         row_sum=RowSum.QUANTIZED_P,
         block_m=128,
         block_n=128,

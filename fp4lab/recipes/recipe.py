@@ -278,6 +278,13 @@ class AttentionRecipe:
             the affine map, the others exact exp2 (None: all groups).
         p_min_exponent: the smallest exponent a Direct-P block scale takes (fp4-fa4 stores P
             scales STORED_SCALE_SHIFT steps low: SHIFT + 1 - 127), or None for E8M0's.
+        p_scale_shift: Direct-P's stored-scale shift S (fp4-fa4's
+            ``HAO_DIRECT_MX_STORED_SCALE_SHIFT_LOG2``): each block scale is stored S exponent
+            steps low, so P V and the row sum run on P^ 2^-S, O = (P^ 2^-S V^) / (P^ 2^-S 1)
+            is P^'s in exact arithmetic, and the saved log-sum-exp adds S log 2 back. It moves
+            the range those sums overflow at by S powers of two. 0: none. Needs
+            p_quant=direct and p_min_exponent >= S - 126 (the released working floor S + 1
+            keeps every shifted scale a normal power of two).
         row_sum: what the softmax denominator accumulates (`RowSum`).
         kv_order: the order the forward visits key/value tiles in (`KVOrder`).
         smooth_k: a mean subtracted from K before quantizing (`SmoothK`).
@@ -333,6 +340,7 @@ class AttentionRecipe:
     direct_p_affine: tuple[float, float] | None = None
     direct_p_affine_groups: int | None = None
     p_min_exponent: int | None = None
+    p_scale_shift: int = 0
     row_sum: RowSum = RowSum.UNQUANTIZED_P
     kv_order: KVOrder = KVOrder.FORWARD
     smooth_k: SmoothK = SmoothK.NONE
@@ -373,6 +381,9 @@ class AttentionRecipe:
         _check_int(self.anchor_keys, "anchor_keys", low=1)
         _check_int(self.direct_p_affine_groups, "direct_p_affine_groups", low=0, optional=True)
         _check_int(self.p_min_exponent, "p_min_exponent", low=-127, optional=True)
+        _check_int(self.p_scale_shift, "p_scale_shift", low=0)
+        if self.p_scale_shift > 127:
+            raise ValueError(f"p_scale_shift must be at most 127, got {self.p_scale_shift}")
         for field in ("lazy_rescale_log2", "anchor_margin"):
             value = getattr(self, field)
             if (
@@ -390,6 +401,19 @@ class AttentionRecipe:
                 raise ValueError(f"{field} must be a string, got {getattr(self, field)!r}")
 
     def _check_p_quant(self) -> None:
+        if self.p_scale_shift:
+            if self.p_quant is not PQuant.DIRECT:
+                raise ValueError(
+                    f"p_scale_shift={self.p_scale_shift} is Direct-P's stored-scale shift: it "
+                    f"needs p_quant=direct, got {self.p_quant.value}"
+                )
+            floor = self.p_scale_shift - 126
+            if self.p_min_exponent is None or self.p_min_exponent < floor:
+                raise ValueError(
+                    f"p_scale_shift={self.p_scale_shift} needs p_min_exponent >= {floor} (the "
+                    "released working floor: every block scale 2^(e_B - S) a normal power of "
+                    f"two), got {self.p_min_exponent}"
+                )
         if self.direct_p_affine is not None:
             if self.p_quant is not PQuant.DIRECT:
                 raise ValueError("direct_p_affine is only used with p_quant=direct")

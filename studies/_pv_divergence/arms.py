@@ -115,13 +115,20 @@ ARMS: dict[str, Arm] = {
                               "correction)"),
     "mxfp4pv_running_max": Arm(
         _variant(_MX, "mxfp4pv_running_max", row_reference=RowReference.RUNNING_MAX,
-                 p_min_exponent=None),
+                 p_min_exponent=None, p_scale_shift=0),
         "MXFP4 P/V with P against the running row maximum and no exponent floor (the anchor "
         "and the underflow it causes removed)"),
     "nvfp4pv": Arm(_variant(FA4FP4_CAUSAL, "fp8pv_nvfp4pv", p=NVFP4, v=NVFP4),
                    "NVFP4 P/V (E4M3 scales per 16, FP32 tensor scale) on the FP8 route"),
     "ue5m3pv": Arm(_variant(FA4FP4_CAUSAL, "fp8pv_ue5m3pv", p=NVFP4_UE5M3, v=NVFP4_UE5M3),
                    "E2M1 P/V with UE5M3 scales per 16 on the FP8 route"),
+    "mxfp4pv_unshifted": Arm(
+        _variant(_MX, "mxfp4pv_unshifted", p_scale_shift=0),
+        "MXFP4 P/V without the released stored-scale shift (P V and the row sum on P^ "
+        "itself: fp4lab's arithmetic before 2026-12-01 lacked the shift)"),
+    "mxfp4pv_d64_unshifted": Arm(
+        _variant(FA4FP4_CAUSAL_MXFP4PV_D64, "mxfp4pv_d64_unshifted", p_scale_shift=0),
+        "the D64 MXFP4 P/V route without its stored-scale shift"),
     "mxfp4pv_leakfix": Arm(FA4FP4_CAUSAL_MXFP4PV_FIXED,
                            "MXFP4 P/V with MatX's future-leakage fix on the diagonal blocks"),
     "mxfp4pv_e4m3qkv": Arm(_MX, "MXFP4 P/V with E4M3 QKV projections (as the published runs)",
@@ -182,6 +189,8 @@ CAUSES = (
     Cause("attention logit growth (P past float32 against a fixed row reference)",
           "mxfp4pv_qknorm", "mxfp4pv", "fix"),
     Cause("attention logit growth on the FP8 route", "fp8pv_qknorm", "fp8pv", "fix"),
+    Cause("the missing stored-scale shift (P V and the row sum on P^ itself, closer to "
+          "float32's top)", "mxfp4pv_unshifted", "mxfp4pv", "cause"),
     Cause("the FP8 backward's fixed dO scale against this model's gradient magnitude",
           "fp8pv_loss_scaled", "fp8pv", "fix"),
     Cause("the FP8 backward's fixed dO scale against this model's gradient magnitude, on "

@@ -29,6 +29,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from fp4lab.kernels import backend as triton_backend  # noqa: E402
 from fp4lab.kernels import flash  # noqa: E402
 from fp4lab.kernels.backend import _fp8_pv  # noqa: E402
 
@@ -353,6 +354,34 @@ def test_tiles_the_simulation_refuses_the_kernels_refuse_in_the_same_words(recip
     for backend in ("reference", "triton"):
         with pytest.raises(ValueError, match=words):
             fp4lab.attention(q, k, v, recipe, backend=backend, **tiles)
+
+
+@pytest.mark.parametrize("recipe", ["fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64"])
+def test_the_stored_scale_shift_changes_no_bit_in_range_and_keeps_big_rows_finite(recipe):
+    # the kernel's P V and row sum on codes 2^(e_B - S): O and the lse the same bits as
+    # without the shift on ordinary inputs (the lse from l 2^S); a row whose later keys all
+    # reach log2 P 140 over the row reference: finite with the shift, as the simulation's
+    route = resolve_recipe(recipe)
+    bare = dataclasses.replace(route, name=f"{recipe}_unshifted", p_scale_shift=0)
+    q, k, v = inputs(1, 2, 2, 128, 128, 64, seed=9)
+    run = dict(causal=True, scale=0.125, block_m=64, block_n=64, lse_log2=True)
+    got = {}
+    for r in (route, bare):
+        qs, ks, vs, factors = triton_backend.quantize_operands(q, k, v, r, None, (64, 64))
+        got[r.name] = flash.attention_forward(
+            qs, ks, vs, factors, triton_backend.p_quantizer(r), out_dtype=torch.float32,
+            **run, **triton_backend.forward_options(r, True, v))
+    for a, b in zip(got[route.name], got[bare.name], strict=True):
+        assert torch.equal(a, b)
+    q, k = torch.zeros(2, 1, 1, 128, 64, device=DEVICE)
+    q[..., 0] = 8.0
+    margin = route.anchor_margin / 8 if route.row_reference.value == "anchor" else 0.0
+    k[..., 32:, 0] = 140 / math.log2(math.e) + margin
+    q, k, v = q.bfloat16(), k.bfloat16(), torch.full_like(q, 0.5).bfloat16()
+    for backend_name in ("reference", "triton"):
+        out = fp4lab.attention(q, k, v, route, causal=True, block_m=64, block_n=64,
+                               backend=backend_name)
+        assert out.isfinite().all(), backend_name
 
 
 def test_mask_and_dtype_are_refused_not_replaced():

@@ -14,6 +14,7 @@ from fp4lab.recipes import (
     BackwardP,
     PQuant,
     Product,
+    RowReference,
     RowSum,
     resolve_recipe,
 )
@@ -163,3 +164,54 @@ def test_products_name_their_operands_and_fields():
     assert [p.value for p in Product] == ["qk", "pv", "dv", "dp", "dq", "dk"]
     recipe = resolve_recipe("fa4fp4_causal")
     assert recipe.operands("dp") == (get("fp8_e5m2_x4"), get("fp8_e4m3_x4"))
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [(dict(p_scale_shift=-1), "p_scale_shift must be an int of at least 0"),
+     (dict(p_scale_shift=128), "p_scale_shift must be at most 127"),
+     (dict(p_scale_shift=33), "p_scale_shift=33 needs p_min_exponent >= -93"),
+     (dict(p_min_exponent=None), "needs p_min_exponent >= -94"),
+     (dict(p_quant=PQuant.SPEC), "p_scale_shift=32 is Direct-P's stored-scale shift")],
+    ids=["negative", "too-large", "floor-too-low", "no-floor", "not-direct"],
+)
+def test_a_stored_scale_shift_needs_direct_p_and_its_floor(changes, words):
+    route = resolve_recipe("fa4fp4_causal_mxfp4pv")
+    with pytest.raises(ValueError, match=words):
+        dataclasses.replace(route, **changes)
+
+
+@pytest.mark.parametrize("name", ["fa4fp4_causal_mxfp4pv", "fa4fp4_causal_mxfp4pv_d64",
+                                  "fa4fp4_causal_mxfp4pv_fixed", "fa4fp4_directp"])
+def test_the_stored_scale_shift_changes_no_bit_in_range_and_keeps_big_rows_finite(name):
+    # P V and the row sum on P^ 2^-S: O, lse (through the gradients) and dQ, dK, dV the same
+    # bits as without the shift on ordinary inputs; on a row whose keys all reach log2 P
+    # near 128 (several P^ saturating at 2^127), finite with it and not without
+    route = resolve_recipe(name)
+    bare = dataclasses.replace(route, name=f"{name}_unshifted", p_scale_shift=0)
+    assert route.p_scale_shift in (16, 32)
+    causal = route.causal is not False
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, 2, 256, 64, generator=g) for _ in range(4))
+    got = {}
+    for recipe in (route, bare):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, recipe, causal=causal)
+        out.backward(do)
+        got[recipe.name] = [out.detach(), *(t.grad for t in leaves)]
+    for a, b in zip(got[route.name], got[bare.name], strict=True):
+        assert torch.equal(a, b)
+    q, k = torch.zeros(2, 1, 1, 128, 64)
+    q[..., 0] = 8.0
+    # keys past the anchor's first 32 at log2 P 140 over it (the margin added back), the
+    # first 32 at 0: every query from 32 on sees 32 or more saturating P^ = 2^127
+    margin = route.anchor_margin / 8 if route.row_reference is RowReference.ANCHOR else 0.0
+    k[..., 32:, 0] = 140 / 1.4426950408889634 + margin
+    v = torch.full((1, 1, 128, 64), 0.5)
+    big = {r.name: attention(q, k, v, r, causal=causal, block_m=64, block_n=64)
+           for r in (route, bare)}
+    if route.leakage_fix:  # its diagonal blocks take P unquantized: 2^140 overflows anyway
+        assert not big[route.name].isfinite().all()
+    else:
+        assert big[route.name].isfinite().all()
+    assert not big[bare.name].isfinite().all()
