@@ -169,12 +169,12 @@ def p_overflow_log2(recipe, head_dim: int = 64, backend: str = "reference",
     turns non-finite (bisection to 1/32) on one row (query 100 of 128) whose scores are 0 but
     for one key (key 40: past the anchor's first 32 keys, off the leakage fix's diagonal
     blocks), V all 0.5 (inf: none up to 256), log2 P counted from the unquantized scores.
-    On the reference path (float32 inputs) it is the recipe's own point, below float32's 128
-    by what its arithmetic adds on top of P: 117.5 for fa4fp4_causal_mxfp4pv and 125.5 for
-    its D64 form, as measured. backend="triton" measures the kernels (bf16 inputs on
-    `device`), which apply P's and V's 1/M_e after the P V product: under the interpreter,
-    116.5 for the D64 form (and about 118 for the D128 one: its anchor path overflows first
-    on the reference too)."""
+    On the reference path (float32 inputs) it is the recipe's own point. With the released
+    stored-scale shift (`p_scale_shift`) one key cannot overflow either MXFP4 route (P^
+    saturates at 2^127): inf. Before fp4lab had the shift (2026-12-01) the simulation gave
+    117.5 for fa4fp4_causal_mxfp4pv and 125.5 for its D64 form. backend="triton" measures
+    the kernels (bf16 inputs on `device`), which apply P's and V's 1/M_e after the P V
+    product; unshifted, 116.5 for the D64 form under the interpreter."""
     key = (recipe.name, head_dim, backend)
     if key not in _OVERFLOW_CACHE:
         margin = (recipe.anchor_margin / math.sqrt(head_dim)
