@@ -548,7 +548,8 @@ def FA4FP4_CAUSAL_MXFP4PV_D64() -> AttentionRecipe:
     ``mx_forward_topology``): shiftless softmax with no anchor (the row reference is 0), the
     exponent by ``MX_SCALE_SELECT`` 1, e_B = floor(log2 max P + 1 - log2 1.5) (rounded up
     only when max P / 2^floor >= 1.5, so a block maximum can clip by up to a third), stored-
-    scale shift 16 (exponents down to -110); otherwise as `fa4fp4_causal_mxfp4pv`.
+    scale shift 16 (exponents down to -110; P V and the denominator on P^ 2^-16,
+    `p_scale_shift`); otherwise as `fa4fp4_causal_mxfp4pv`.
 
     Assumptions: the records' ``causal_interleaved_kv`` order changes summation order only;
     ``stabilize_initial_causal_row`` (rows of query tile 0 whose first-quarter exponent is at
@@ -630,8 +631,9 @@ def FA4FP4_DIRECTP() -> AttentionRecipe:
     exponent by ``MX_SCALE_SELECT`` 1 (rounded up when max P / 2^floor >= 1.5), no lower
     than -110 (stored-scale shift 16); codes q = E2M1(max(0, 1.5 x + 1.2)) with
     x = (z - m) log2(e) - e_B + log2(6) on the second to fourth 32-key groups of each key
-    tile (stage affine mask 0b1110) and q = E2M1(2^x) on the first; P^ = 2^e_B q / 6; V in
-    MXFP4 with the 1.203125 rule; the denominator from the represented P.
+    tile (stage affine mask 0b1110) and q = E2M1(2^x) on the first; P^ = 2^e_B q / 6, P V
+    and the denominator on P^ 2^-16 (`p_scale_shift`); V in MXFP4 with the 1.203125 rule;
+    the denominator from the represented P.
 
     Assumptions and simplifications: the folded K64 Q/K scales are modelled as plain 16-wide
     NVFP4 blocks; native exp2 as exact; Direct-P has no backward of its own: the backward
