@@ -95,7 +95,8 @@ GRADIENTS = ("dq", "dk", "dv")
 CONTEXTS = ("fp8_route", "mxfp4_route")
 # the fields that make up the route's P (its format and how P is formed before it)
 P_FIELDS = ("p", "p_quant", "p_lift", "row_reference", "lazy_rescale_log2", "anchor_keys",
-            "anchor_margin", "direct_p_affine", "direct_p_affine_groups", "p_min_exponent")
+            "anchor_margin", "direct_p_affine", "direct_p_affine_groups", "p_min_exponent",
+            "p_scale_shift")
 
 
 # -- the mechanisms ------------------------------------------------------------------------

@@ -865,6 +865,8 @@ def _fwd_inner(
                 row = tl.div_rn(row, r)
             if MASKED and LEAK > 0:
                 row = row + tl.sum(p_exact, 1)
+        elif MODE == 3 and LIFT != 1.0:  # P itself, in P^'s shifted units as P V takes it
+            row = tl.sum(p * LIFT, 1)
         else:
             row = tl.sum(p, 1)
         if FIXED:
