@@ -62,6 +62,7 @@ TRACE_COLUMNS = {
     ("pv", "b_scale_overflow"): "v_scale_overflow",
     ("out", "row_sum_err"): "row_sum_err",
     ("out", "out_err"): "out_err",
+    ("out", "lse_err"): "lse_err",  # the lse the backward rebuilds P from, against exact's
     ("dv", "p_fwd_mismatch"): "p_fwd_mismatch",
     ("dv", "b_flushed"): "do_flushed",
 }

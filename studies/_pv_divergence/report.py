@@ -32,7 +32,8 @@ PROBE_COLUMNS = {  # layers-table column: heading
     "p_flushed": "P flushed", "p_mass_lost": "P mass lost", "p_clipped": "P clipped",
     "p_scale_underflow": "P scale underflow", "v_err": "V rel. err",
     "v_clipped": "V clipped", "v_scale_underflow": "V scale underflow",
-    "out_err": "O rel. err", "dq_err_vs_exact": "dQ err", "dk_err_vs_exact": "dK err",
+    "out_err": "O rel. err", "lse_err": "lse err", "dq_err_vs_exact": "dQ err",
+    "dk_err_vs_exact": "dK err",
     "dv_err_vs_exact": "dV err", "do_flushed": "dO flushed", "entropy": "entropy",
     "max_logit": "max logit", "p_log2_peak": "log2 P peak",
 }

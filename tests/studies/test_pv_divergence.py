@@ -93,6 +93,10 @@ def test_smoke_has_a_finite_curve_for_every_run(smoke):
     peak = layers.groupby("arm")["p_log2_peak"]
     assert (peak.max()["bf16"] == 0) and np.isfinite(peak.max()["mxfp4pv"])  # P <= 1; anchor
     assert peak.max()["fp8pv"] != peak.max()["fp8pv"]  # a lazy maximum: not computed (NaN)
+    # the traced step's lse error (what the backward rebuilds P from): 0 for bf16's exact
+    # softmax up to rounding, larger for the MXFP4 route's represented denominator
+    lse = layers[layers["step"] >= 0].groupby("arm")["lse_err"].mean()
+    assert np.isfinite(lse.to_numpy()).all() and lse["bf16"] < 1e-3 < lse["mxfp4pv"]
     assert len(found["divergence"]) == len(counts)
     assert runs.loc[runs["task"] == "text", "corpus_train_sha256"].nunique() == 1
 
