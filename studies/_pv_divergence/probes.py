@@ -46,7 +46,7 @@ from fp4lab.recipes import EXACT, RowReference
 from .gpt import GPT, AttentionCall, Capture, attend
 
 __all__ = ["validation_loss", "captured_step", "traced_step", "autopsy", "leakage",
-           "p_overflow_log2", "TRACE_COLUMNS"]
+           "p_overflow_log2", "one_key_row", "TRACE_COLUMNS"]
 
 # (product, trace column) -> the probe's name for it
 TRACE_COLUMNS = {
@@ -164,6 +164,17 @@ def _trace_row(frame) -> dict:
 _OVERFLOW_CACHE: dict = {}
 
 
+def one_key_row(z: float, head_dim: int = 64, margin: float = 0.0):
+    """(q, k, v) float32 (1, 1, 128, head_dim) whose query 100 scores 0 on every key but key
+    40, where log2 P is z above a row reference raised by `margin` (in scaled-score units:
+    the anchor's margin times the softmax scale); V all 0.5 (`p_overflow_log2`'s row)."""
+    q, k = torch.zeros(2, 1, 1, 128, head_dim)
+    v = torch.full((1, 1, 128, head_dim), 0.5)
+    q[0, 0, 100, 0] = 8.0
+    k[0, 0, 40, 0] = (z / math.log2(math.e) + margin) * math.sqrt(head_dim) / 8.0
+    return q, k, v
+
+
 def p_overflow_log2(recipe, head_dim: int = 64, backend: str = "reference",
                     device: str | torch.device = "cpu") -> float:
     """The smallest log2 P, against a fixed row reference, at which the recipe's own output
@@ -183,11 +194,7 @@ def p_overflow_log2(recipe, head_dim: int = 64, backend: str = "reference",
         dtype = torch.bfloat16 if backend == "triton" else torch.float32
 
         def finite(z: float) -> bool:
-            q, k = torch.zeros(2, 1, 1, 128, head_dim)
-            v = torch.full((1, 1, 128, head_dim), 0.5)
-            q[0, 0, 100, 0] = 8.0
-            k[0, 0, 40, 0] = (z / math.log2(math.e) + margin) * math.sqrt(head_dim) / 8.0
-            q, k, v = (t.to(device, dtype) for t in (q, k, v))
+            q, k, v = (t.to(device, dtype) for t in one_key_row(z, head_dim, margin))
             out = fp4lab.attention(q, k, v, recipe, causal=True, block_m=64, block_n=64,
                                    backend=backend)
             return bool(out[0, 0, 100].isfinite().all())
@@ -250,10 +257,19 @@ def _nonfinite_output(q, k, v, call: AttentionCall, layer: int) -> int:
     return int((~attend(q, k, v, reference, layer).isfinite()).sum())
 
 
-_NO_PEAKS = {"p_log2_peak_nonfinite_rows": float("nan"), "p_overflow_log2": float("nan"),
-             "rows_p_overflow": -1, "nonfinite_rows_p_overflow": -1,
-             "p_overflow_log2_kernel": float("nan"), "rows_p_overflow_kernel": -1,
-             "nonfinite_rows_p_overflow_kernel": -1}
+def _past(point: float | None, peaks=None, rows=None, suffix: str = "") -> dict:
+    """The overflow point (`suffix`: "" the recipe's, "_kernel" the kernels') and the rows
+    whose log2 P peak reaches it, overall and among `rows`; NaN and -1 without a point."""
+    if point is None:
+        return {f"p_overflow_log2{suffix}": float("nan"), f"rows_p_overflow{suffix}": -1,
+                f"nonfinite_rows_p_overflow{suffix}": -1}
+    over = peaks >= point
+    return {f"p_overflow_log2{suffix}": point, f"rows_p_overflow{suffix}": int(over.sum()),
+            f"nonfinite_rows_p_overflow{suffix}": int((over & rows).sum())}
+
+
+_NO_PEAKS = {"p_log2_peak_nonfinite_rows": float("nan"), **_past(None),
+             **_past(None, suffix="_kernel")}
 
 
 def _peaks_of_rows(q, k, call: AttentionCall, rows: torch.Tensor) -> dict:
@@ -272,21 +288,11 @@ def _peaks_of_rows(q, k, call: AttentionCall, rows: torch.Tensor) -> dict:
     s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1),
                       float("-inf"))
     peaks = _row_log2_peaks(s, recipe, d)
-    found = {"p_log2_peak_nonfinite_rows": float(peaks[rows].amax()) if bool(rows.any())
-             else float("nan")}
-    points = {"": p_overflow_log2(recipe, d)}
-    if call.backend == "triton":
-        points["_kernel"] = p_overflow_log2(recipe, d, "triton", q.device)
-    for suffix in ("", "_kernel"):
-        if suffix not in points:
-            found |= {f"p_overflow_log2{suffix}": float("nan"),
-                      f"rows_p_overflow{suffix}": -1, f"nonfinite_rows_p_overflow{suffix}": -1}
-            continue
-        over = peaks >= points[suffix]
-        found |= {f"p_overflow_log2{suffix}": points[suffix],
-                  f"rows_p_overflow{suffix}": int(over.sum()),
-                  f"nonfinite_rows_p_overflow{suffix}": int((over & rows).sum())}
-    return found
+    kernel = (p_overflow_log2(recipe, d, "triton", q.device) if call.backend == "triton"
+              else None)
+    return {"p_log2_peak_nonfinite_rows": float(peaks[rows].amax()) if bool(rows.any())
+            else float("nan"), **_past(p_overflow_log2(recipe, d), peaks, rows),
+            **_past(kernel, peaks, rows, "_kernel")}
 
 
 def _gradient_error(q, k, v, do, call: AttentionCall, layer: int) -> dict:

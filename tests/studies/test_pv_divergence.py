@@ -475,10 +475,8 @@ def test_the_overflow_point_of_the_shifted_routes_is_none_on_one_key():
         assert math.isinf(probes.p_overflow_log2(arms[arm].recipe)), arm
     recipe = arms["mxfp4pv_d64"].recipe  # row reference 0: log2 P is the score times log2 e
     for z in (120.0, 127.5, 200.0):
-        q, k = torch.zeros(2, 1, 1, 128, 64)
-        q[0, 0, 100, 0], k[0, 0, 40, 0] = 8.0, z / math.log2(math.e)
-        out = fp4lab.attention(q, k, torch.full_like(q, 0.5), recipe, causal=True,
-                               block_m=64, block_n=64)
+        out = fp4lab.attention(*probes.one_key_row(z), recipe, causal=True, block_m=64,
+                               block_n=64)
         assert torch.equal(out[0, 0, 100], torch.full((64,), 0.5))
 
 
@@ -661,9 +659,7 @@ def test_the_kernels_and_the_simulation_agree_past_the_old_overflow_point():
     pytest.importorskip("triton")
     recipe = PARTS["arms"].ARMS["mxfp4pv_d64"].recipe
     for z in (120.0, 127.5):
-        q, k = torch.zeros(2, 1, 1, 128, 64)
-        q[0, 0, 100, 0], k[0, 0, 40, 0] = 8.0, z / math.log2(math.e)
-        q, k, v = (t.bfloat16() for t in (q, k, torch.full_like(q, 0.5)))
+        q, k, v = (t.bfloat16() for t in PARTS["probes"].one_key_row(z))
         for backend in ("reference", "triton"):
             out = fp4lab.attention(q, k, v, recipe, causal=True, block_m=64, block_n=64,
                                    backend=backend)
