@@ -164,18 +164,20 @@ def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, ps: Pass) 
     # two; it cancels in O and `_forward_chunk` adds it back to the lse)
     down = 2.0 ** -ps.recipe.p_scale_shift
     stored = p_hat.values * down if down != 1.0 else p_hat.values
+    consumed = ps.recipe.row_sum is RowSum.QUANTIZED_P
+    if diagonal is not None or not consumed:  # unquantized P, in P^'s shifted units
+        p_low = p if down == 1.0 else _shifted(p, s, m_j, ps.recipe.p_scale_shift)
+    if diagonal is not None and down != 1.0:  # P^ holds P itself on the diagonal blocks
+        stored = torch.where(diagonal, p_low, stored)
     weights_pv = stored if keep is None else stored * keep
     if diagonal is None:
         pv = times_key(weights_pv, v_j)  # (B, Hkv, G, n, g, bm, Dv)
     else:  # the leakage fix: P's diagonal blocks times V's, unquantized
-        exact_p = p if keep is None else p * keep
-        if down != 1.0:
-            exact_p = exact_p * down
+        exact_p = p_low if keep is None else p_low * keep
         pv = times_key(weights_pv.masked_fill(diagonal, 0), v_j)
         pv += times_key(exact_p.masked_fill(~diagonal, 0), ops.v_plain[:, :, block.j0 : block.j1])
     zero_skipped(pv, skipped)
-    consumed = ps.recipe.row_sum is RowSum.QUANTIZED_P
-    row = stored if consumed else (p if down == 1.0 else p * down)
+    row = stored if consumed else p_low
     rescale_add(sm.l_i, weights, row.sum(-1))
     rescale_add(sm.acc, weights, pv)
     if down != 1.0:  # the trace sees P^ V^ itself
@@ -185,6 +187,19 @@ def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, ps: Pass) 
         rescale_add(sm.acc_prime, weights, zero_skipped(times_key(p_kept, v_j), skipped))
         rescale_add(sm.l_prime, weights, p.sum(-1))
     return ForwardStep(block, s_raw, s, unmasked, p, m_j, p_hat, pv, weights, skipped, keep)
+
+
+def _shifted(p, s, m_j, shift: int) -> torch.Tensor:
+    """P 2^-S, the unquantized P in Direct-P's shifted units (the leakage fix's diagonal, an
+    unquantized row sum): P times 2^-S (exact) where P is finite, so the same bits as without
+    the shift, and exp(z - S ln 2) where P itself passes float32 (log2 P >= 128, which a fixed
+    row reference permits), z = s - m_j as `OnlineSoftmax.advance` formed it."""
+    low = p * 2.0**-shift
+    over = torch.isinf(p)
+    if bool(over.any()):
+        z = s - m_j.unsqueeze(-1)
+        low = torch.where(over, torch.exp(z - shift * math.log(2.0)), low)
+    return low
 
 
 def _forward_p(p, s, m_j, ps: Pass, block: TileBlock):

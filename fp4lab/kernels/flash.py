@@ -767,6 +767,7 @@ def _fwd_inner(
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, SR: tl.constexpr, SR_BITS: tl.constexpr,
     TRACE: tl.constexpr, N_STATS: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
+    P_SHIFT: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, up (or down, REVERSE): the
     loop runs over a counter, since a loop's step must be positive on the GPU. MASKED
@@ -782,7 +783,10 @@ def _fwd_inner(
     rounds stochastically with the words of its stream (key sr_k0, sr_k1) at each element's
     (batch, query head, query, key) position. TRACE: each tile's statistics
     (`_trace_p_tile`) to stats_base (N_STATS a key tile) and lost_base (row-major, n_k tiles
-    a row), and the sums of P^ and P (l_hat, l_pl) rescaled as l_i."""
+    a row), and the sums of P^ and P (l_hat, l_pl) rescaled as l_i. P_SHIFT: Direct-P's
+    stored-scale shift S (LIFT = 2^-S): the unquantized P that P V or the row sum takes (the
+    leakage fix's diagonal, an unquantized row sum) enters as P 2^-S, from exp2(z - S) where
+    P itself passes float32 (log2 P >= 128, which a fixed row reference permits)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -839,6 +843,10 @@ def _fwd_inner(
             factor = 1.0 / E_MAX
             if not ROW_SUM_Q or (MASKED and LEAK > 0) or PRIME or TRACE:
                 p = tl.exp2(z)
+            if P_SHIFT != 0 and (not ROW_SUM_Q or (MASKED and LEAK > 0)):
+                # P in P^'s shifted units, as P V and l take it: P 2^-S (exact) where P is
+                # finite, so the same bits as without the shift; exp2(z - S) past it
+                p_low = tl.where(p < float("inf"), p * LIFT, tl.exp2(z - P_SHIFT))
         else:
             p = tl.exp2(z)
             words = 0
@@ -854,9 +862,10 @@ def _fwd_inner(
             )
         if MASKED and LEAK > 0:  # the leakage fix: the diagonal blocks' P leaves P^
             diagonal = (offs_m[:, None] // LEAK) == (offs_n[None, :] // LEAK)
-            p_exact = tl.where(diagonal, p, 0.0)
-            if MODE == 3 and LIFT != 1.0:  # in P^'s shifted units, as P V and l take them
-                p_exact = p_exact * LIFT
+            if MODE == 3 and P_SHIFT != 0:  # in P^'s shifted units, as P V and l take them
+                p_exact = tl.where(diagonal, p_low, 0.0)
+            else:
+                p_exact = tl.where(diagonal, p, 0.0)
             p_hat = tl.where(diagonal, 0.0, p_hat)
         # -- update l_i and acc --
         if ROW_SUM_Q:
@@ -865,8 +874,8 @@ def _fwd_inner(
                 row = tl.div_rn(row, r)
             if MASKED and LEAK > 0:
                 row = row + tl.sum(p_exact, 1)
-        elif MODE == 3 and LIFT != 1.0:  # P itself, in P^'s shifted units as P V takes it
-            row = tl.sum(p * LIFT, 1)
+        elif MODE == 3 and P_SHIFT != 0:  # P itself, in P^'s shifted units as P V takes it
+            row = tl.sum(p_low, 1)
         else:
             row = tl.sum(p, 1)
         if FIXED:
@@ -1075,7 +1084,7 @@ def _attn_fwd(
         REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, TILE_SCOPE, HEAD_DIM, V_DIM, BLOCK_M,
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
-        EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER,
+        EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT,
     )
     acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base,
@@ -1085,7 +1094,7 @@ def _attn_fwd(
         not REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, TILE_SCOPE, HEAD_DIM, V_DIM, BLOCK_M,
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
-        EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER,
+        EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT,
     )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor

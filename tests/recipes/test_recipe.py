@@ -210,8 +210,13 @@ def test_the_stored_scale_shift_changes_no_bit_in_range_and_keeps_big_rows_finit
     v = torch.full((1, 1, 128, 64), 0.5)
     big = {r.name: attention(q, k, v, r, causal=causal, block_m=64, block_n=64)
            for r in (route, bare)}
-    if route.leakage_fix:  # its diagonal blocks take P unquantized: 2^140 overflows anyway
-        assert not big[route.name].isfinite().all()
+    # V is 0.5 everywhere and the quantized row sum is P V's own (the leakage fix's diagonal
+    # unquantized in both, as P 2^-S from exp(z - S ln 2) where P itself passes float32), so
+    # O is 0.5 on every row (exactly, but for the fix's float32 sums of P 0.5 over sums of
+    # P); without the shift, P^ 2^e_B passes float32
+    half = torch.full_like(v, 0.5)
+    if route.leakage_fix:
+        torch.testing.assert_close(big[route.name], half, rtol=2.0**-20, atol=0.0)
     else:
-        assert big[route.name].isfinite().all()
+        assert torch.equal(big[route.name], half)
     assert not big[bare.name].isfinite().all()
