@@ -625,6 +625,27 @@ def test_the_loss_scaled_arms_are_the_routes_with_only_the_scale_changed():
     assert all(a.loss_scale == 1 for n, a in arms.ARMS.items() if not n.endswith("_scaled"))
 
 
+def test_each_loss_scaled_cause_is_its_unscaled_cause_against_the_scaled_baseline():
+    # the same recipe and training choices but the scale, compared with the scaled form of the
+    # unscaled cause's baseline; every arm of the full preset exists and every cause of its
+    # arms has its baseline there
+    arms = PARTS["arms"]
+    plain = {c.arm: c for c in arms.CAUSES if not c.arm.endswith("_loss_scaled")}
+    scaled = [c for c in arms.CAUSES if c.arm.endswith("_loss_scaled")
+              and c.arm.removesuffix("_loss_scaled") in plain]
+    assert {c.arm.removesuffix("_loss_scaled") for c in scaled} == set(arms._SCALED)
+    for cause in scaled:
+        base = plain[cause.arm.removesuffix("_loss_scaled")]
+        arm, unscaled = arms.ARMS[cause.arm], arms.ARMS[base.arm]
+        assert dataclasses.replace(arm, what="", loss_scale=1.0) == dataclasses.replace(
+            unscaled, what="")
+        assert arm.loss_scale == 2.0**13 and arms.ARMS[cause.baseline].loss_scale == 2.0**13
+        assert cause.baseline == f"{base.baseline}_loss_scaled" and cause.kind == base.kind
+    full = STUDY.PRESETS["full"].arms
+    assert set(full) <= set(arms.ARMS)
+    assert all(c.baseline in full for c in arms.CAUSES if c.arm in full)
+
+
 # -- deterministic algorithms -----------------------------------------------------------------
 def test_deterministic_algorithms_are_set_by_the_flag_and_recorded(short, monkeypatch):
     """The function the study calls on GPUs turns torch's deterministic algorithms on (warn
