@@ -387,8 +387,18 @@ def gradient_bias_timing(recipes, samples: int, out_dir) -> None:
           f"{'rel_bias diff':>14s} {'se':>9s}")  # fmt: skip
     part = [x[:, :2, :1024] for x in (q, k, v, do)]  # the check's slice: B1 H2 S1024
     for name in recipes:
-        # each phase prints its time as it ends, so a call killed at its limit still says
-        # where the time went (a 250 s call on the H200 printed no row)
+        # each phase prints its time as it ends, and the kernels' timing comes first, so a
+        # call killed at its limit still says where the time went (a 250 s call on the H200
+        # printed no row)
+        phase = time.perf_counter()
+        fp4lab.gradient_bias(q, k, v, do, name, samples=2, backend="triton", **run)  # warm-up
+        torch.cuda.synchronize()
+        print(f"  {name}: warm-up, 2 samples: {time.perf_counter() - phase:.1f} s", flush=True)
+        start = time.perf_counter()
+        result = fp4lab.gradient_bias(q, k, v, do, name, samples=samples, backend="triton", **run)
+        torch.cuda.synchronize()
+        kernels_s = time.perf_counter() - start
+        print(f"  {name}: {samples} samples on the kernels: {kernels_s:.2f} s", flush=True)
         phase = time.perf_counter()
         check = []
         for b in ("triton", "reference"):
@@ -398,14 +408,6 @@ def gradient_bias_timing(recipes, samples: int, out_dir) -> None:
                   f"{time.perf_counter() - phase:.1f} s", flush=True)
             phase = time.perf_counter()
         diff = (check[0]["rel_bias"] - check[1]["rel_bias"]).abs().max()
-        fp4lab.gradient_bias(q, k, v, do, name, samples=2, backend="triton", **run)  # warm-up
-        torch.cuda.synchronize()
-        print(f"  {name}: warm-up, 2 samples: {time.perf_counter() - phase:.1f} s", flush=True)
-        start = time.perf_counter()
-        result = fp4lab.gradient_bias(q, k, v, do, name, samples=samples, backend="triton", **run)
-        torch.cuda.synchronize()
-        kernels_s = time.perf_counter() - start
-        print(f"  {name}: {samples} samples on the kernels: {kernels_s:.2f} s", flush=True)
         start = time.perf_counter()
         fp4lab.gradient_bias(q, k, v, do, name, samples=1, **run)
         torch.cuda.synchronize()

@@ -392,9 +392,10 @@ def _decompose(d: torch.Tensor, ref: torch.Tensor, tile_rows: int) -> dict:
              for x in (d, ref)]  # (B, H, nT, tile_rows * E)
     energy = tiles[1].square().sum(-1)
     per_tile = ((tiles[0] * tiles[1]).sum(-1) / energy)[energy > 0]
-    spread = per_tile.std().item() if per_tile.numel() > 1 else math.nan
-    tile_t = per_tile.mean().item() / (spread / math.sqrt(per_tile.numel())) if spread else (
-        math.nan)
+    n = per_tile.numel()  # 0 where every tile's reference is non-finite (NaN energy)
+    spread = per_tile.std().item() if n > 1 else math.nan
+    tile_t = per_tile.mean().item() / (spread / math.sqrt(n)) if n > 1 and spread > 0 else (
+        math.nan)  # (spread > 0 is False for NaN)
     return {"effect": effect, "bias": bias,
             "scatter": math.sqrt(max(effect**2 - bias**2, 0.0)), "tile_t": tile_t}
 

@@ -32,7 +32,9 @@ audit_20260820.json``), so the two are comparable. A run that never meets the ru
 diverge", and the report says how far it went.
 
 What is logged (`_pv_divergence.training`, `_pv_divergence.probes`): per step the training
-loss, the gradient norm (total and per attention layer) and the learning rate; every
+loss, the gradient norm (total and per attention layer), the learning rate, and each
+layer's largest logit and log2 P peak against the recipe's fixed row reference on the step's
+own batch (`max_logit_<layer>`, `p_log2_peak_<layer>`: where a row's P^ saturates); every
 `eval_every` steps the validation loss, each layer's attention entropy and largest logit, the
 trace statistics of P and V from a traced step (`fp4lab.Trace`), each layer's gradient error
 against exact attention on the same activations (`fp4lab.compare`), and future leakage (the

@@ -77,6 +77,9 @@ class AttentionCall:
     block: int = 128  # the query and key tiles
     seed: int | None = None  # None: no generator (deterministic recipes)
     trace: fp4lab.Trace | None = None  # records every layer's call (call index = layer)
+    # called as watch(layer, q, k) with each layer's detached q and k, before it attends (the
+    # training loop's per-step logit statistics); None: nothing
+    watch: object = None
 
 
 @dataclass
@@ -128,6 +131,8 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:  # in v's dtype (autocast may run the norm in float32)
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         q, k = rotary(q, self.config.rope_base), rotary(k, self.config.rope_base)
+        if call.watch is not None:
+            call.watch(self.layer, q.detach(), k.detach())
         y = attend(q, k, v, call, self.layer)  # (B, H, T, D)
         if capture is not None:
             capture.q.append(q.detach())

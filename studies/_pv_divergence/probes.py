@@ -134,6 +134,22 @@ def _scores(q: torch.Tensor, k: torch.Tensor, recipe) -> dict:
             "p_log2_peak": _p_log2_peak(s, recipe, d)}
 
 
+def step_scores(q: torch.Tensor, k: torch.Tensor, recipe) -> torch.Tensor:
+    """(2,) float32 on q's device, without a host sync: the largest causal logit of
+    q k^T / sqrt d and the peak of log2 P against the recipe's fixed row reference (NaN for
+    a lazy one), as `_scores` gives them at a probe, for one layer of one training step
+    (`training.Run.train_step`'s per-step columns)."""
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+        q, k = q.float(), k.float()
+        t, d = q.shape[-2], q.shape[-1]
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill_(future, float("-inf"))
+        peaks = _row_log2_peaks(s, recipe, d)
+        peak = s.new_tensor(float("nan")) if peaks is None else peaks.amax()
+        return torch.stack([s.amax(), peak])
+
+
 def _p_log2_peak(s: torch.Tensor, recipe, head_dim: int) -> float:
     peaks = _row_log2_peaks(s, recipe, head_dim)
     return float("nan") if peaks is None else float(peaks.amax())

@@ -45,6 +45,7 @@ writes the same bytes over them; the temporary files a kill leaves are removed f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import os
@@ -169,6 +170,16 @@ class Ranks:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t)
+
+    def max(self, values: list[float]) -> list[float]:
+        """The elementwise maximum of `values` over the ranks (NaN where any rank has NaN)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        nan = torch.isnan(t).to(torch.float64)
+        dist.all_reduce(t.nan_to_num_(nan=-math.inf), op=dist.ReduceOp.MAX)
+        dist.all_reduce(nan, op=dist.ReduceOp.MAX)
+        return [math.nan if n else float(v) for v, n in zip(t, nan, strict=True)]
 
 
 def _sum_gradients(group, bucket):
@@ -305,8 +316,11 @@ class Run:
             group["lr"] = lr
         start = time.perf_counter()
         x, y, targets = self.local_batch(step)
+        scores = {}  # layer -> (2,): its largest logit and log2 P peak, this step
+        call = dataclasses.replace(self.call(step), watch=lambda layer, q, k: scores.__setitem__(
+            layer, probes.step_scores(q, k, self.arm.recipe)))
         with self.autocast():
-            logits = self.trained(x, self.call(step))
+            logits = self.trained(x, call)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1,
                                    reduction="sum") / targets
         self._backward(loss)
@@ -323,7 +337,17 @@ class Run:
         self.train_seconds += seconds
         tokens = (step + 1) * spec.batch * spec.model.seq_len
         return {"step": step, "tokens": tokens, "lr": lr, "loss": value, **norms,
-                "step_seconds": seconds}
+                **self._step_scores(scores), "step_seconds": seconds}
+
+    def _step_scores(self, scores: dict) -> dict:
+        """Each layer's largest logit and log2 P peak of this step's batch (the maximum over
+        the ranks' local batches), `max_logit_<layer>`, `p_log2_peak_<layer>`."""
+        layers = range(self.spec.model.n_layer)
+        values = self.ranks.max([float(v) for layer in layers for v in scores[layer].cpu()])
+        row = {}
+        for layer in layers:
+            row[f"max_logit_{layer}"], row[f"p_log2_peak_{layer}"] = values[2 * layer:][:2]
+        return row
 
     def _backward(self, loss: torch.Tensor) -> None:
         """The gradients of `loss`; with the arm's loss scale, those of loss * scale divided

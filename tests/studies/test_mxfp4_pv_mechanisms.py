@@ -167,3 +167,18 @@ def test_do_scale_reaches_the_quantizers_and_nothing_else():
     _, _, dv_scaled = _grads("fa4fp4_causal", small_scaled)
     assert not dv.any()  # every element of dO flushed
     assert dv_scaled.any()
+
+
+def test_a_non_finite_reference_gives_nan_statistics_not_an_error():
+    # a contrast whose reference gradient is NaN in every tile (the leakage fix's on inputs
+    # whose rows pass float32, seen on trained activations): NaN, where the t statistic over
+    # no tiles once divided by zero
+    ref = torch.full((1, 2, 256, 8), math.nan)
+    out = STUDY._decompose(torch.ones_like(ref), ref, tile_rows=128)
+    assert set(out) == {"effect", "bias", "scatter", "tile_t"}
+    assert all(math.isnan(v) for v in out.values())
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1, 2, 256, 8, generator=g)
+    ref[:, 0] = math.nan  # one head's tiles non-finite: the others still give a t statistic
+    d = 0.1 * ref.nan_to_num() + 0.01 * torch.randn(ref.shape, generator=g)
+    assert math.isfinite(STUDY._decompose(d, ref.nan_to_num(), tile_rows=128)["tile_t"])

@@ -99,6 +99,23 @@ def test_smoke_has_a_finite_curve_for_every_run(smoke):
     assert np.isfinite(lse.to_numpy()).all() and lse["bf16"] < 1e-3 < lse["mxfp4pv"]
     assert len(found["divergence"]) == len(counts)
     assert runs.loc[runs["task"] == "text", "corpus_train_sha256"].nunique() == 1
+    # each step's own largest logit and log2 P peak per layer, the probe's definitions
+    logit = metrics[[f"max_logit_{i}" for i in range(config.n_layer)]]
+    assert np.isfinite(logit.to_numpy()).all()
+    peak = metrics.groupby("arm")[[f"p_log2_peak_{i}" for i in range(config.n_layer)]]
+    assert (peak.max().loc["bf16"] == 0).all() and np.isfinite(peak.max().loc["mxfp4pv"]).all()
+    assert peak.max().loc["fp8pv"].isna().all()  # a lazy maximum: not computed
+
+
+def test_the_step_scores_are_the_probes_scores_on_the_same_q_and_k():
+    g = torch.Generator().manual_seed(2)
+    q, k = (3 * torch.randn(2, 2, 96, 16, generator=g) for _ in range(2))
+    for name in ("mxfp4pv", "bf16", "fp8pv", "sdpa"):
+        recipe = PARTS["arms"].ARMS[name].recipe
+        got = PARTS["probes"].step_scores(q.bfloat16(), k.bfloat16(), recipe)
+        want = PARTS["probes"]._scores(q.bfloat16().float(), k.bfloat16().float(), recipe)
+        assert got[0].item() == want["max_logit"], name
+        torch.testing.assert_close(got[1], torch.tensor(want["p_log2_peak"]), equal_nan=True)
 
 
 def test_smoke_leakage_is_zero_without_sequence_blocks_and_gone_with_the_fix(smoke):
