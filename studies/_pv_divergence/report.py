@@ -632,8 +632,9 @@ def _figures(config, metrics, table, probes, evals, records) -> dict[str, Figure
 
 
 def _curves(config, rows, colors, styles, table) -> Figure:
-    fig = Figure(figsize=(11, 8), layout="constrained")
-    axes = fig.subplots(3, 1, sharex=True)
+    fig = Figure(figsize=(11, 10), layout="constrained")
+    logit_columns = [c for c in rows.columns if c.startswith("max_logit_")]
+    axes = fig.subplots(3 + bool(logit_columns), 1, sharex=True)
     for (arm, seed), run in rows.groupby(["arm", "seed"], sort=False):
         reference = rows[(rows["arm"] == REFERENCE_ARM) & (rows["seed"] == seed)]
         style = dict(color=colors[arm], linestyle=styles[seed], linewidth=1)
@@ -642,6 +643,8 @@ def _curves(config, rows, colors, styles, table) -> Figure:
         gap = rolling_gap(config, run, reference)
         axes[1].plot(run["tokens"].values, gap.reindex(run["step"]).values, **style)
         axes[2].plot(run["tokens"], run["grad_norm"], **style)
+        if logit_columns:  # each step's own batch, the largest over layers
+            axes[3].plot(run["tokens"], run[logit_columns].max(axis=1), **style)
         found = table[(table["arm"] == arm) & (table["seed"] == seed) & table["diverged"]]
         for tokens in found["divergence_tokens"]:
             axes[1].axvline(tokens, color=colors[arm], linestyle=styles[seed], alpha=0.5)
@@ -650,7 +653,10 @@ def _curves(config, rows, colors, styles, table) -> Figure:
     axes[1].set_ylabel(f"rolling loss gap to {REFERENCE_ARM}")
     axes[2].set_ylabel("gradient norm")
     axes[2].set_yscale("log")
-    axes[2].set_xlabel("training tokens")
+    if logit_columns:
+        axes[3].set_ylabel("largest logit (log scale)")
+        axes[3].set_yscale("log")
+    axes[-1].set_xlabel("training tokens")
     axes[0].legend(fontsize=6, ncol=4)
     return fig
 
