@@ -50,11 +50,25 @@ runs: a trace with an explicit reference_dtype, masks other than causal, inputs 
 bf16/fp16, dropout, the recipe mechanisms `fp4lab.kernels.flash` lists, 2-D tiles that do not
 line up with the kernel's tiles (narrower than head_dim, or splitting a kernel tile), smooth_q
 on an unquantized Q (or a cast wider than bf16: Q - M is fp32), and the backward's
-(`check_backward`: tensor_scope=tile with backward=flash, Hadamard transforms and 2-D blocks
-on its operands, two-level P replayed in dV (forward_exact), fixed scales or other block
-formats on P and dS than the kernel quantizes). attn_qat_kernel's straight-through
-backward runs: its per-tile factors (dO's per query tile too) and two-level P in dV.
+(`check_backward`: tensor_scope=tile with backward=flash, 2-D blocks on its operands,
+Hadamard transforms that do not pair up (`_rotation_gaps`), two-level P replayed in dV
+(forward_exact), fixed scales or other block formats on P and dS than the kernel
+quantizes). attn_qat_kernel's straight-through backward runs: its per-tile factors (dO's
+per query tile too) and two-level P in dV.
 Nothing falls back to the reference.
+
+Hadamard transforms in the backward (MS-EDEN, `croissattn_eden`). A product A B reducing over
+r, both operands rotated along r in groups of n, is (A H)(H^T B): the kernels multiply the
+rotated operands as quantized, (A H)^ (H^T B)^, where the simulation dequantizes each back
+(A^ = (A H)^ H^T) and multiplies those, the same product up to fp32 rounding (H is orthogonal,
+its 1/sqrt(n) in each factor). So a whole-tensor operand with a transform is stored as its
+rotated codes times block scales (the fused quantizer's, bit for bit), its tensor scale the
+factor, and P and dS are rotated in registers before their quantizer
+(`fp4lab.kernels.flash_bwd`). This holds where both operands of each backward product carry
+the same transform (size and seed) along its reduction axis and nothing else reads a
+rotated operand (`_rotation_gaps`: D from dO^, dS from P^), with whole groups along every
+rotated axis: the tiles (`flash_bwd.check_tiles`), head_dim and the sequences
+(`check_rotated_extents`).
 """
 
 from __future__ import annotations
@@ -196,7 +210,7 @@ def _rotation_gaps(recipe: AttentionRecipe) -> list[str]:
 def check_rotated_extents(recipe: AttentionRecipe, sq: int, sk: int, d: int, dv: int) -> None:
     """ValueError where a whole-tensor backward operand's Hadamard transform does not tile the
     extent it runs along (its product's reduction axis: the queries, the keys, head_dim)."""
-    sizes = {Extent.HEAD_DIM: ("head_dim", d), Extent.V_DIM: ("v head_dim", dv)}
+    sizes = {Extent.HEAD_DIM: ("head_dim", d), Extent.V_DIM: ("v's head_dim", dv)}
     for field in _WHOLE_OPERANDS:
         rotation, op = _rotation(recipe, field), operand(field)
         if rotation is None:

@@ -79,8 +79,25 @@ transposed with the tile in the dK/dV kernel; the dQ kernel's P^ for dS = P^ (dP
 the very words the dK/dV kernel's does, so both quantize the same P^. dS rounds on its
 magnitude, as the reference rounds |x| and restores the sign.
 
+Hadamard transforms and MS-EDEN (Quartet II; `croissattn_eden`). Where a backward product's
+operands carry a random Hadamard transform along its reduction axis, its whole-tensor operand
+arrives rotated (`fp4lab.kernels.backend`) and P or dS is rotated in registers along the same
+axis before its quantizer (`_rotate`: the tile times diag(signs) H / sqrt(n) in groups of n,
+a tl.dot in fp32, the matrix `fp4lab.formats.hadamard_matrix` loaded once a program), so the
+product of the two rotated, quantized operands is the simulation's product of the two
+dequantized ones (H H^T = I) up to fp32 rounding; the tile factor multiplies it as before.
+MS-EDEN (mode 7, `_eden_rows`) is `fp4lab.formats.eden`'s chain on the rotated tile: sigma
+truncated to 4 mantissa bits, the elements rounded to nearest E2M1, each block's scale
+corrected by <v, v> / <v, q> (float64 sums) and rounded to bf16, one tensor scale t = max / 256
+per tile (as the simulation takes a per-tile operand's), the stored E4M3 scales rounded
+stochastically by the top 16 bits of the stream's word at each block's first element (the
+simulation's uniform there, floor(2^16 u)). The in-register quantizers that rotate share one
+matrix (one size and seed); the tiles must hold whole groups along the rotated axis.
+
 What is not here (each refused by `fp4lab.kernels.backend.check_backward` before anything
-runs): Hadamard transforms (so MS-EDEN) and 2-D blocks, fixed scales on P or dS, stochastic
+runs): 2-D blocks, Hadamard transforms that do not pair up across a product (or with dS
+taken from the rotated P^, D from the rotated dO^, or the straight-through and forward-exact
+backwards), a trace of rotated operands, fixed scales on P or dS, stochastic
 rounding of a per-tile FP32 scale format, two-level P replayed (forward_exact), per-tile
 factors with the flash backward (its own dO, V, K, Q quantized per tile), dropout, and a
 trace of a stochastic recipe.

@@ -263,7 +263,8 @@ def test_a_heads_and_a_batchs_draws_do_not_depend_on_the_others():
 @pytest.mark.parametrize(
     "recipe, what",
     [
-        ("croissattn_eden", "dv_do in nvfp4_ms_eden \\(Hadamard"),
+        (_variant("croissattn_eden", dv_do=NVFP4_SR),
+         "dv_p and dv_do with different Hadamard transforms"),
         (_variant("nvfp4", dq_ds=dataclasses.replace(NVFP4_SR, name="sr40", sr_bits=40)),
          "dq_ds: .*sr_bits=40"),
         (_variant("fa4fp4_directp", direct_p_affine=None,
@@ -271,7 +272,7 @@ def test_a_heads_and_a_batchs_draws_do_not_depend_on_the_others():
                                         rounding=Rounding.STOCHASTIC)),
          "Direct-P .*rounds stochastically"),
     ],
-    ids=["ms-eden", "sr-bits-40", "direct-p-sr"],
+    ids=["ms-eden-unpaired", "sr-bits-40", "direct-p-sr"],
 )  # fmt: skip
 def test_what_stochastic_rounding_does_not_run_is_refused_by_name(recipe, what):
     q, k, v, do = inputs(1, 1, 1, 128, 128, 128, seed=4)
