@@ -997,6 +997,12 @@ def attention(
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         check_backward(recipe, block_m, block_n)
         check_rotated_extents(recipe, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1])
+        rotated = [f for f in _TILE_OPERANDS if _rotation(recipe, f) is not None]
+        if trace is not None and rotated:
+            raise NotImplementedError(
+                f"trace: the instrumented backward does not count the rotated operands "
+                f"{', '.join(rotated)} of recipe {recipe.name!r}; use backend='reference'"
+            )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k = incoherent(q, k, recipe)
     k = smooth_k(k, recipe)

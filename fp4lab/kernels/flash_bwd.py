@@ -1015,7 +1015,7 @@ def _attn_bwd_dq(
         s_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + bhk)  # the forward's order
         f_dp = tl.load(VF + bhk) * tl.load(DOPF + bh)
         kf_at = bhk
-    had = _hadamard_matrix(Had, HAD_N, DQ_HAD or (DS_FROM_DV and DV_HAD))
+    had = _hadamard_matrix(Had, HAD_N, DQ_HAD)  # (P^ for dS = P^ (dP - D) is never rotated)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dqs_base = DQStats + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * tl.cdiv(
         Sk, BLOCK_N) * N_STATS
@@ -1111,6 +1111,8 @@ def attention_backward(
     tile_scope = qf.dim() == 3  # tensor_scope=tile: factors per tile, (B, H|Hkv, n tiles)
     n_k = triton.cdiv(Sk, block_n)
     had, had_n = _rotation(q.device, trace, dv_p=dv_p, dq_ds=dq_ds, dk_ds=dk_ds)
+    if ds_from_dv and dv_p.hadamard is not None:
+        raise ValueError("ds_from_dv: dS = P^ (dP - D) would take the rotated P^ of dv_p")
 
     def f32(f: torch.Tensor, n: int) -> torch.Tensor:
         # a factor as the kernels read it: per head, or per tile (a per-head one repeated)

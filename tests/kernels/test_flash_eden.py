@@ -216,6 +216,21 @@ def test_each_rotated_pair_alone_is_the_simulations(pair):
     assert change > 10 * BUDGET, f"{pair}: MS-EDEN moves {product} by only {change:.1e}"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_rotated_nearest_format_on_every_backward_operand_is_the_simulations(causal):
+    # NVFP4 rounded to nearest after the random Hadamard transform: the rotation without
+    # MS-EDEN (mode 2 on the rotated tiles), no random bits
+    recipe = _variant("nvfp4", **{f: NVFP4_HADAMARD for fs in PAIRS.values() for f in fs})
+    q, k, v, do = inputs(1, 2, 1, 256, 256, 128, seed=9)
+    options = dict(**TILES, causal=causal)
+    got = run(q, k, v, do, recipe, **options)
+    want = run(q, k, v, do, recipe, "reference", **options)
+    assert_within_budget(got, want, recipe.name)
+    plain = run(q, k, v, do, "nvfp4", "reference", **options)
+    change = min(rel_but_rows(got[g], plain[g], FLIPPED_ROWS) for g in GRADS)
+    assert change > 10 * BUDGET, f"the rotation moves the gradients by only {change:.1e}"
+
+
 # -- what is refused ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "shape, tiles, what",
@@ -261,6 +276,10 @@ def test_what_the_rotated_backward_does_not_run_is_refused_by_name(fields, what)
 
 
 def test_a_trace_of_rotated_in_register_operands_is_refused():
+    recipe = _variant("nvfp4", dv_p=NVFP4_HADAMARD, dv_do=NVFP4_HADAMARD)
+    q, k, v, do = inputs(1, 1, 1, 128, 128, 128, seed=4)
+    with pytest.raises(NotImplementedError, match="trace: .* rotated operands dv_p of"):
+        run(q, k, v, do, recipe, trace=fp4lab.Trace(), **TILES)
     tq = flash_bwd.TileQuantizer.of(NVFP4_MS_EDEN, 1.0, "dv_p", along_keys=False)
     with pytest.raises(ValueError, match="trace: .* rotated operands dv_p"):
         flash_bwd._rotation("cpu", {}, dv_p=tq)
