@@ -10,7 +10,8 @@ What exists:
   an `fp4lab.recipes.AttentionRecipe`;
 - `flash_bwd`: FlashAttention-2's backward (a preprocess for D, a dK/dV kernel per key tile,
   a dQ kernel per query tile) with P and dS quantized in registers as the recipe's backward
-  fields say: the flash, straight-through and forward-exact backwards;
+  fields say: the flash, straight-through and forward-exact backwards, and Hadamard-rotated
+  operands (Quartet II's MS-EDEN, `croissattn_eden`);
 - `backend`: `fp4lab.attention(..., backend="triton")`, which quantizes Q, K, V (and dO)
   with `quantize` and runs `flash` and, through autograd, `flash_bwd`;
 - `trace`: the per-tile statistics of the forward and the backward (the `flash` and

@@ -50,11 +50,25 @@ runs: a trace with an explicit reference_dtype, masks other than causal, inputs 
 bf16/fp16, dropout, the recipe mechanisms `fp4lab.kernels.flash` lists, 2-D tiles that do not
 line up with the kernel's tiles (narrower than head_dim, or splitting a kernel tile), smooth_q
 on an unquantized Q (or a cast wider than bf16: Q - M is fp32), and the backward's
-(`check_backward`: tensor_scope=tile with backward=flash, Hadamard transforms and 2-D blocks
-on its operands, two-level P replayed in dV (forward_exact), fixed scales or other block
-formats on P and dS than the kernel quantizes). attn_qat_kernel's straight-through
-backward runs: its per-tile factors (dO's per query tile too) and two-level P in dV.
+(`check_backward`: tensor_scope=tile with backward=flash, 2-D blocks on its operands,
+Hadamard transforms that do not pair up (`_rotation_gaps`), two-level P replayed in dV
+(forward_exact), fixed scales or other block formats on P and dS than the kernel
+quantizes). attn_qat_kernel's straight-through backward runs: its per-tile factors (dO's
+per query tile too) and two-level P in dV.
 Nothing falls back to the reference.
+
+Hadamard transforms in the backward (MS-EDEN, `croissattn_eden`). A product A B reducing over
+r, both operands rotated along r in groups of n, is (A H)(H^T B): the kernels multiply the
+rotated operands as quantized, (A H)^ (H^T B)^, where the simulation dequantizes each back
+(A^ = (A H)^ H^T) and multiplies those, the same product up to fp32 rounding (H is orthogonal,
+its 1/sqrt(n) in each factor). So a whole-tensor operand with a transform is stored as its
+rotated codes times block scales (the fused quantizer's, bit for bit), its tensor scale the
+factor, and P and dS are rotated in registers before their quantizer
+(`fp4lab.kernels.flash_bwd`). This holds where both operands of each backward product carry
+the same transform (size and seed) along its reduction axis and nothing else reads a
+rotated operand (`_rotation_gaps`: D from dO^, dS from P^), with whole groups along every
+rotated axis: the tiles (`flash_bwd.check_tiles`), head_dim and the sequences
+(`check_rotated_extents`).
 """
 
 from __future__ import annotations
@@ -77,14 +91,17 @@ from fp4lab.recipes import (
     DsP,
     KVOrder,
     PQuant,
+    Product,
     RowReference,
     RowSum,
+    Seq,
     SmoothK,
     TensorScope,
     operand,
     resolve_recipe,
 )
 from fp4lab.recipes.checks import check_tiling
+from fp4lab.recipes.operands import Extent
 
 __all__ = ["attention", "check_recipe"]
 
@@ -131,19 +148,83 @@ def _bf16_exact(spec) -> bool:
     return spec is not None
 
 
-def _untransformed_gaps(recipe: AttentionRecipe, fields, tiles_2d: bool = False) -> list[str]:
+def _untransformed_gaps(
+    recipe: AttentionRecipe, fields, tiles_2d: bool = False, rotations: bool = False
+) -> list[str]:
     """The whole-tensor operands among `fields` in a block format the kernels' quantizer path
     does not take (a Hadamard transform or 2-D blocks; with `tiles_2d` the forward's 2-D
-    tiles with one FP32 scale each, `_tile_factored`, are taken), each named."""
+    tiles with one FP32 scale each, `_tile_factored`, are taken; with `rotations` a Hadamard
+    transform, whose pairing the caller checks, `_rotation_gaps`), each named."""
     missing = []
     for field in fields:
         spec = getattr(recipe, field)
         if not isinstance(spec, QuantSpec):
             continue
         two_d = spec.block is not None and len(spec.block) == 2
-        if spec.hadamard or two_d and not (tiles_2d and _tile_factored(spec)):
+        if spec.hadamard and not rotations:
+            missing.append(f"{field} in {spec.name} (Hadamard or 2-D blocks)")
+        elif two_d and not (tiles_2d and _tile_factored(spec)):
             missing.append(f"{field} in {spec.name} (Hadamard or 2-D blocks)")
     return missing
+
+
+def _rotation(recipe: AttentionRecipe, field: str):
+    """Operand `field`'s Hadamard transform as (size, seed), or None."""
+    spec = getattr(recipe, field)
+    if not isinstance(spec, QuantSpec) or spec.hadamard is None:
+        return None
+    return spec.hadamard, spec.hadamard_seed
+
+
+def _rotation_gaps(recipe: AttentionRecipe) -> list[str]:
+    """What keeps the backward's Hadamard transforms from running, each named. The kernels
+    multiply each product's operands as rotated, (A H)^ (H^T B)^, which is the simulation's
+    A^ B^ (each dequantized back, A^ = (A H)^ H^T) only where both operands of the product are
+    rotated by the same matrix along its reduction axis, and nothing else reads them."""
+    missing = []
+    for product in Product:
+        if not product.backward:
+            continue
+        a, b = product.fields
+        ra, rb = _rotation(recipe, a), _rotation(recipe, b)
+        if ra is None and rb is None:
+            continue
+        if recipe.backward is not BackwardMode.FLASH:
+            missing.append(f"a Hadamard transform on {a}/{b} with backward="
+                           f"{recipe.backward.value} (the forward's operands are not rotated)")
+            continue
+        if ra != rb:
+            missing.append(f"{a} and {b} with different Hadamard transforms ((size, seed) {ra} "
+                           f"and {rb}; {product.value} needs both rotated by one matrix)")
+        for f in (a, b):
+            if _rotation(recipe, f) is not None and recipe.block_axis(f) != operand(f).axis:
+                missing.append(f"{f} rotated along another axis than {product.value}'s "
+                               "reduction axis (block_axes)")
+    if _rotation(recipe, "dv_p") is not None and recipe.ds_p is DsP.DV_OPERAND:
+        missing.append("ds_p=dv_operand with dv_p rotated (dS would take the rotated P^)")
+    if _rotation(recipe, "dp_do") is not None and recipe.delta is DeltaSource.QUANTIZED_DO:
+        missing.append("delta=quantized_do with dp_do rotated (D would take the rotated dO^)")
+    return missing
+
+
+def check_rotated_extents(recipe: AttentionRecipe, sq: int, sk: int, d: int, dv: int) -> None:
+    """ValueError where a whole-tensor backward operand's Hadamard transform does not tile the
+    extent it runs along (its product's reduction axis: the queries, the keys, head_dim)."""
+    sizes = {Extent.HEAD_DIM: ("head_dim", d), Extent.V_DIM: ("v's head_dim", dv)}
+    for field in _WHOLE_OPERANDS:
+        rotation, op = _rotation(recipe, field), operand(field)
+        if rotation is None:
+            continue
+        if op.along is Extent.SEQ:
+            name, size = ("Sq (queries)", sq) if op.seq is Seq.QUERY else ("Sk (keys)", sk)
+        else:
+            name, size = sizes[op.along]
+        if size % rotation[0]:
+            raise ValueError(
+                f"{name}={size} is not a multiple of {rotation[0]}, the Hadamard size of "
+                f"operand {field!r} of recipe {recipe.name!r}: its transform runs in whole "
+                "groups along the product's reduction axis"
+            )
 
 
 def _tile_factored(spec: QuantSpec) -> bool:
@@ -648,7 +729,8 @@ def check_backward(
     """Raise NotImplementedError for a backward mechanism the Triton backward does not run,
     naming it, before anything runs (no silent fallback); ValueError for blocks of P or dS
     that do not tile `block_m` x `block_n` (when given)."""
-    missing = _untransformed_gaps(recipe, _WHOLE_OPERANDS)
+    missing = _untransformed_gaps(recipe, _WHOLE_OPERANDS, rotations=True)
+    missing += _rotation_gaps(recipe)
     if recipe.tensor_scope is TensorScope.TILE and recipe.backward is BackwardMode.FLASH:
         missing.append(
             "tensor_scope=tile with backward=flash (its own dO, V, K, Q quantized per tile)"
@@ -914,6 +996,13 @@ def attention(
     check_tile_scales(recipe, block_m, block_n, q.shape[-1], v.shape[-1])
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         check_backward(recipe, block_m, block_n)
+        check_rotated_extents(recipe, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1])
+        rotated = [f for f in _TILE_OPERANDS if _rotation(recipe, f) is not None]
+        if trace is not None and rotated:
+            raise NotImplementedError(
+                f"trace: the instrumented backward does not count the rotated operands "
+                f"{', '.join(rotated)} of recipe {recipe.name!r}; use backend='reference'"
+            )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k = incoherent(q, k, recipe)
     k = smooth_k(k, recipe)

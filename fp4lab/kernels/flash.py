@@ -182,7 +182,7 @@ class PQuantizer:
     on each row scaled so its maximum maps to M_e M_s, the products divided back by the row
     scale), 5 a cast to bf16 (rounded on its bits:
     its grid reaches below fp32's normal range, where `_round`'s quantum trick does not;
-    4 is the backward's per-tile FP32 scale, `fp4lab.kernels.flash_bwd`).
+    4, the backward's per-tile FP32 scale, and 7, its MS-EDEN, are `fp4lab.kernels.flash_bwd`'s).
     ELEM: (Q_LO, Q_HI, UNIT, MAXV) of the element format; SCALE: the same of the scale
     format; BLOCK: keys per block; RULE: 0 amax / M_e rounded (NEAREST), 1 OCP's floor power
     of two, 2-5 the alpha rules CEIL, MSE, HALF, RTE, 6 RCEIL (E8M0), 7 CEIL; ARITH: 0 EXACT,

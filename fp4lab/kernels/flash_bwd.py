@@ -79,8 +79,25 @@ transposed with the tile in the dK/dV kernel; the dQ kernel's P^ for dS = P^ (dP
 the very words the dK/dV kernel's does, so both quantize the same P^. dS rounds on its
 magnitude, as the reference rounds |x| and restores the sign.
 
+Hadamard transforms and MS-EDEN (Quartet II; `croissattn_eden`). Where a backward product's
+operands carry a random Hadamard transform along its reduction axis, its whole-tensor operand
+arrives rotated (`fp4lab.kernels.backend`) and P or dS is rotated in registers along the same
+axis before its quantizer (`_rotate`: the tile times diag(signs) H / sqrt(n) in groups of n,
+a tl.dot in fp32, the matrix `fp4lab.formats.hadamard_matrix` loaded once a program), so the
+product of the two rotated, quantized operands is the simulation's product of the two
+dequantized ones (H H^T = I) up to fp32 rounding; the tile factor multiplies it as before.
+MS-EDEN (mode 7, `_eden_rows`) is `fp4lab.formats.eden`'s chain on the rotated tile: sigma
+truncated to 4 mantissa bits, the elements rounded to nearest E2M1, each block's scale
+corrected by <v, v> / <v, q> (float64 sums) and rounded to bf16, one tensor scale t = max / 256
+per tile (as the simulation takes a per-tile operand's), the stored E4M3 scales rounded
+stochastically by the top 16 bits of the stream's word at each block's first element (the
+simulation's uniform there, floor(2^16 u)). The in-register quantizers that rotate share one
+matrix (one size and seed); the tiles must hold whole groups along the rotated axis.
+
 What is not here (each refused by `fp4lab.kernels.backend.check_backward` before anything
-runs): Hadamard transforms (so MS-EDEN) and 2-D blocks, fixed scales on P or dS, stochastic
+runs): 2-D blocks, Hadamard transforms that do not pair up across a product (or with dS
+taken from the rotated P^, D from the rotated dO^, or the straight-through and forward-exact
+backwards), a trace of rotated operands, fixed scales on P or dS, stochastic
 rounding of a per-tile FP32 scale format, two-level P replayed (forward_exact), per-tile
 factors with the flash backward (its own dO, V, K, Q quantized per tile), dropout, and a
 trace of a stochastic recipe.
@@ -95,6 +112,7 @@ dv, dp, dq and dk rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -102,7 +120,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lab.formats import BF16, FP32, QuantSpec, ScaleArithmetic, ScaleRule
+from fp4lab.formats import BF16, FP32, QuantSpec, ScaleArithmetic, ScaleRule, hadamard_matrix
+from fp4lab.formats.spec import Correction
 from fp4lab.kernels.flash import (
     FP_FUSION,
     LOG2E,
@@ -131,23 +150,29 @@ __all__ = [
 # modes beyond PQuantizer's 0 (none), 1 (cast), 2 (1-D blocks), 3 (Direct-P)
 _MODE_TILE_SCALE = 4  # one FP32 scale per tile: amax / M_e (a per-tensor format on a tile)
 _MODE_BF16 = MODE_BF16  # a cast to bf16 (its grid reaches below fp32's normal range)
+_MODE_EDEN = 7  # Quartet II's MS-EDEN: corrected scales, rounded stochastically (`_eden_rows`)
 
 
 # -- which formats, as compile-time constants --------------------------------------------------
 @dataclass(frozen=True)
 class TileQuantizer:
     """An operand the backward quantizes tile by tile in registers (P for dV, dS for dQ and for
-    dK): its `PQuantizer` (modes 0-3 and 6, plus 4 one FP32 scale per tile and 5 a bf16
-    cast) and whether its 1-D blocks run along the keys (else along the queries)."""
+    dK): its `PQuantizer` (modes 0-3 and 6, plus 4 one FP32 scale per tile, 5 a bf16 cast
+    and 7 MS-EDEN), whether its 1-D blocks run along the keys (else along the queries), and
+    its random Hadamard transform along them, (size, seed) or None."""
 
     pq: PQuantizer
     along_keys: bool
+    hadamard: tuple[int, int] | None = None
+    inv_c: float = 0.0  # MS-EDEN's fl(1 / fl(c)) (`fp4lab.formats.eden`, its step 1)
 
     @classmethod
     def of(cls, spec, lift: float, field: str, along_keys: bool):
         """The quantizer of recipe field `field` with format `spec` and lift."""
         if spec is None:
             return cls(PQuantizer(MODE=0), along_keys)
+        if isinstance(spec, QuantSpec) and (spec.hadamard or spec.correction is Correction.EDEN):
+            return cls._transformed(spec, lift, field, along_keys)
         if spec == BF16:
             return cls(PQuantizer(MODE=_MODE_BF16, LIFT=lift, ELEM=_grid(BF16)), along_keys)
         if isinstance(spec, QuantSpec) and spec.block is None:
@@ -156,6 +181,38 @@ class TileQuantizer:
                        along_keys)  # fmt: skip
         check_p(spec, lift, field=field)
         return cls(PQuantizer.of(spec, lift, field), along_keys)
+
+    @classmethod
+    def _transformed(cls, spec: QuantSpec, lift: float, field: str, along_keys: bool):
+        """A 1-D block format with a Hadamard transform (rotated in registers, `_rotate`),
+        MS-EDEN (mode 7, `_eden_rows`), or both: the rest as `PQuantizer.of` takes it."""
+        rotation = None if spec.hadamard is None else (spec.hadamard, spec.hadamard_seed)
+        if spec.hadamard is not None and spec.hadamard % 16:
+            raise NotImplementedError(
+                f"{field}: the Triton backward rotates tiles by Hadamard matrices of a multiple "
+                f"of 16 (a matrix product's), not {spec.hadamard}; use backend='reference'"
+            )
+        if spec.correction is not Correction.EDEN:
+            plain = dataclasses.replace(spec, name=spec.name, hadamard=None)
+            return cls(PQuantizer.of(plain, lift, field), along_keys, rotation)
+        problems = []
+        if spec.block is None or len(spec.block) != 1 or spec.block[0] not in (16, 32):
+            problems.append(f"blocks {spec.block} (MS-EDEN in registers takes 1-D blocks of 16 "
+                            "or 32)")  # fmt: skip
+        if spec.scale.mbits != 3 or spec.scale.emin < -126:
+            problems.append(f"scale format {spec.scale.name} (MS-EDEN's 16-bit scale rounding "
+                            "in registers is E4M3's)")  # fmt: skip
+        if spec.element.emin - spec.element.mbits < -126:
+            problems.append(f"element format {spec.element.name} below fp32's normal range")
+        if problems:
+            raise NotImplementedError(
+                f"{field}: the Triton backward does not quantize {field} with block format "
+                f"{spec.name!r} yet: " + "; ".join(problems) + "; use backend='reference'"
+            )
+        pq = PQuantizer(MODE=_MODE_EDEN, LIFT=lift, ELEM=_grid(spec.element),
+                        SCALE=_grid(spec.scale), BLOCK=spec.block[0], TENSOR=True, SR=True)
+        inv_c = float(torch.ones(()) / torch.tensor(spec.amax_target, dtype=torch.float32))
+        return cls(pq, along_keys, rotation, inv_c)
 
     @property
     def split(self) -> bool:
@@ -178,7 +235,7 @@ class TileQuantizer:
             S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
             RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
             LOG2_ME=math.log2(pq.ELEM[3]), TRANS=self.along_keys != keys_last, SPLIT=self.split,
-            SR=pq.SR, SR_BITS=pq.SR_BITS,
+            SR=pq.SR, SR_BITS=pq.SR_BITS, HAD=self.hadamard is not None, INV_C=self.inv_c,
         )  # fmt: skip
         return {f"{prefix}_{name}": value for name, value in values.items()}
 
@@ -240,6 +297,76 @@ def _dot(a, b, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _hadamard_matrix(Had, HAD_N: tl.constexpr, USED: tl.constexpr):
+    """The (HAD_N, HAD_N) fp32 matrix diag(signs) H / sqrt(n) at Had (row-major,
+    `fp4lab.formats.hadamard_matrix`), loaded where a quantizer of the kernel rotates (USED);
+    else 0, never read."""
+    had = 0.0
+    if USED:
+        offs = tl.arange(0, HAD_N)
+        had = tl.load(Had + offs[:, None] * HAD_N + offs[None, :])
+    return had
+
+
+@triton.jit
+def _rotate(x, had, ROWS: tl.constexpr, COLS: tl.constexpr, HAD_N: tl.constexpr,
+            TRANS: tl.constexpr):
+    """x (ROWS, COLS) times the Hadamard matrix in groups of HAD_N along its last axis (TRANS:
+    its first), as the reference rotates an operand along its blocks' axis (`_hadamard` of
+    `fp4lab.formats.quantize`: x @ diag(signs) H / sqrt(n)), the products in fp32."""
+    if TRANS:
+        return tl.trans(_rotate(tl.trans(x), had, COLS, ROWS, HAD_N, False))
+    groups = tl.reshape(x, [ROWS * COLS // HAD_N, HAD_N])  # (ROWS COLS / n, n)
+    return tl.reshape(tl.dot(groups, had, input_precision="ieee"), [ROWS, COLS])
+
+
+@triton.jit
+def _eden_rows(
+    x, words, ROWS: tl.constexpr, COLS: tl.constexpr, QBLOCK: tl.constexpr,
+    EQ_LO: tl.constexpr, EQ_HI: tl.constexpr, E_UNIT: tl.constexpr, E_MAX: tl.constexpr,
+    SQ_LO: tl.constexpr, SQ_HI: tl.constexpr, S_UNIT: tl.constexpr, S_MAX: tl.constexpr,
+    INV_C: tl.constexpr,
+):  # fmt: skip
+    """Quartet II's MS-EDEN (`fp4lab.formats.eden`) on a (ROWS, COLS) tile of signed x,
+    blocked along its last axis, one tensor scale for the tile: (|q| s, t) with q the
+    elements rounded to nearest, s each block's corrected scale stochastically rounded into
+    E4M3 by the top 16 bits of the word at its first element, t = max corrected / 256."""
+    NB: tl.constexpr = COLS // QBLOCK
+    blocks = tl.reshape(x, [ROWS, NB, QBLOCK])  # (ROWS, blocks, QBLOCK)
+    a_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 2)
+    finite = a_bits < 0x7F800000
+    a = tl.where(finite, a_bits.to(tl.float32, bitcast=True), 0.0)
+    # -- 1. sigma, its mantissa truncated to 4 bits; 2. v and q --
+    sigma = ((a * INV_C).to(tl.int32, bitcast=True) & -524288).to(tl.float32, bitcast=True)
+    sigma = tl.where(sigma >= 1.1754943508222875e-38, sigma, 0.0)
+    inverse = tl.where(sigma > 0.0, tl.math.div_rn(tl.zeros_like(sigma) + 1.0,
+                                                   tl.where(sigma > 0.0, sigma, 1.0)), 0.0)
+    v = blocks * inverse[:, :, None]
+    q = _round(tl.abs(v), EQ_LO, EQ_HI, E_UNIT, E_MAX)
+    # -- 3. the correction <v, v> / <v, q> (float64 sums); 4. its BF16 rounding --
+    v64 = v.to(tl.float64)
+    v_v = tl.sum(v64 * v64, 2).to(tl.float32)
+    v_q = tl.sum(tl.abs(v64) * q.to(tl.float64), 2).to(tl.float32)
+    correction = tl.where(v_q == 0.0, 1.0, tl.math.div_rn(v_v, tl.where(v_q == 0.0, 1.0, v_q)))
+    corrected = tl.where(finite, _bfloat16_round(sigma * correction), float("nan"))
+    # -- 5. the tile's t; 6. each block's scale rounded stochastically --
+    t = tl.zeros_like(corrected) + tl.max(tl.max(corrected, 1), 0) * 0.00390625  # 2^-8
+    inv_t = tl.where(t != 0.0, tl.math.div_rn(tl.zeros_like(t) + 1.0,
+                                              tl.where(t != 0.0, t, 1.0)), 0.0)
+    pre = corrected * tl.minimum(inv_t, 3.4028234663852886e38)
+    lane = tl.arange(0, QBLOCK)[None, None, :]
+    first = tl.sum(tl.where(lane == 0, tl.reshape(words, [ROWS, NB, QBLOCK]), 0), 2)
+    k = (first >> 16).to(tl.int32)  # floor(2^16 u): the uniform u = word 2^-32
+    bits = pre.to(tl.int32, bitcast=True)
+    up = (bits & 0xFFFFF) > (k << 4)  # the 20 bits below E4M3's mantissa against 16 k
+    moved = tl.where(up, bits | 0xFFFFF, bits & -1048576).to(tl.float32, bitcast=True)
+    moved = tl.where((pre <= S_MAX) & (pre >= SQ_LO), moved, pre)
+    s = _round(moved, SQ_LO, SQ_HI, S_UNIT, S_MAX)
+    values = tl.reshape(q * s[:, :, None], [ROWS, COLS])
+    return values, tl.max(tl.max(t, 1), 0)
+
+
+@triton.jit
 def _quantize_tile(
     x, z, words, ROWS: tl.constexpr, COLS: tl.constexpr, SIGNED: tl.constexpr,
     MODE: tl.constexpr, LIFT: tl.constexpr, EQ_LO: tl.constexpr, EQ_HI: tl.constexpr,
@@ -247,18 +374,24 @@ def _quantize_tile(
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, TRANS: tl.constexpr,
-    SR: tl.constexpr = False, SR_BITS: tl.constexpr = 0,
+    SR: tl.constexpr = False, SR_BITS: tl.constexpr = 0, had=0.0, HAD: tl.constexpr = False,
+    HAD_N: tl.constexpr = 128, INV_C: tl.constexpr = 0.0,
 ):  # fmt: skip
     """(values, tile factor) of a (ROWS, COLS) tile x as `TileQuantizer` says, blocked along
     its last axis (TRANS: its first): values bf16-exact, the dequantized tile values * factor.
     SIGNED: x may be negative (dS; the magnitude is quantized, the sign kept, as rounding to
     nearest even is symmetric). z: log2 of x, read by Direct-P (MODE 3) only. SR: block
     elements round stochastically by `words` (uint32, x's layout: `_words`), on the magnitude,
-    as the reference rounds |x| and gives it x's sign."""
+    as the reference rounds |x| and gives it x's sign. HAD: x is first rotated along its
+    blocks' axis by `had` in groups of HAD_N (`_rotate`), so the values are the rotated
+    tile's. MODE 7: MS-EDEN (`_eden_rows`; INV_C its fl(1 / c)), the words its scales'."""
     if MODE == 0:
         return x, 1.0
+    SIGNED_X: tl.constexpr = SIGNED or HAD  # a rotated tile holds both signs
+    if HAD:
+        x = _rotate(x, had, ROWS, COLS, HAD_N, TRANS)
     mag = x
-    if SIGNED:
+    if SIGNED_X:
         mag = tl.abs(x)
     if MODE == 3:  # Direct-P: codes from z (LIFT: 2^-S, the stored-scale shift)
         if TRANS:
@@ -279,6 +412,16 @@ def _quantize_tile(
     elif MODE == 5:  # bf16, rounded on its bits to nearest even, saturating
         values = tl.minimum(_bfloat16_round(mag * LIFT), E_MAX)
         factor = 1.0 / LIFT
+    elif MODE == 7:  # MS-EDEN on the signed (rotated) x; its magnitudes, the sign below
+        if TRANS:
+            values, t = _eden_rows(tl.trans(x * LIFT), tl.trans(words), COLS, ROWS, QBLOCK,
+                                   EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX,
+                                   INV_C)  # fmt: skip
+            values = tl.trans(values)
+        else:
+            values, t = _eden_rows(x * LIFT, words, ROWS, COLS, QBLOCK, EQ_LO, EQ_HI, E_UNIT,
+                                   E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, INV_C)  # fmt: skip
+        factor = t * (1.0 / LIFT)
     elif TRANS:
         words_t = words
         if SR:
@@ -304,7 +447,7 @@ def _quantize_tile(
         )  # fmt: skip
         if MODE == 6:
             values = tl.div_rn(values, r[:, None])
-    if SIGNED:
+    if SIGNED_X:
         values = tl.where(x < 0.0, -values, values)
     return values, factor
 
@@ -412,11 +555,11 @@ def _dkdv_inner(
     dk, dv, k, v, q_base, qd_base, dov_base, dop_base, lse_base, delta_base, mref_base, n_k,
     key_tile, offs_n, cols, qk_scale, f_dov, f_dp, f_q, Sq, Sk, first, count,
     sr_dv0, sr_dv1, sr_dk0, sr_dk1, batch, head, dvs_base, dks_base, ms_base, qm_base,
-    kf_j, vf_j, qf_base, dovf_base, dopf_base, qdf_base,
+    kf_j, vf_j, qf_base, dovf_base, dopf_base, qdf_base, had,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
     REPLAY: tl.constexpr, LEAK: tl.constexpr, SMOOTH_Q: tl.constexpr, MEAN_DK: tl.constexpr,
-    TILE_SCOPE: tl.constexpr,
+    TILE_SCOPE: tl.constexpr, HAD_N: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -424,6 +567,7 @@ def _dkdv_inner(
     DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
     DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SPLIT: tl.constexpr,
     DV_SR: tl.constexpr, DV_SR_BITS: tl.constexpr,
+    DV_HAD: tl.constexpr, DV_INV_C: tl.constexpr,
     DK_MODE: tl.constexpr, DK_LIFT: tl.constexpr, DK_EQ_LO: tl.constexpr, DK_EQ_HI: tl.constexpr,
     DK_E_UNIT: tl.constexpr, DK_E_MAX: tl.constexpr, DK_SQ_LO: tl.constexpr,
     DK_SQ_HI: tl.constexpr, DK_S_UNIT: tl.constexpr, DK_S_MAX: tl.constexpr,
@@ -431,6 +575,7 @@ def _dkdv_inner(
     DK_ARITH: tl.constexpr, DK_TENSOR: tl.constexpr, DK_EMAX_E: tl.constexpr,
     DK_LOG2_ME: tl.constexpr, DK_TRANS: tl.constexpr, DK_SPLIT: tl.constexpr,
     DK_SR: tl.constexpr, DK_SR_BITS: tl.constexpr,
+    DK_HAD: tl.constexpr, DK_INV_C: tl.constexpr,
     TRACE: tl.constexpr, N_STATS: tl.constexpr, DV_UNDER: tl.constexpr, DV_OVER: tl.constexpr,
     DK_UNDER: tl.constexpr, DK_OVER: tl.constexpr,
 ):
@@ -501,7 +646,7 @@ def _dkdv_inner(
                 pf, zf, words_dv, BLOCK_N, BLOCK_M, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI,
                 DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI,
                 DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SR,
-                DV_SR_BITS,
+                DV_SR_BITS, had, DV_HAD, HAD_N, DV_INV_C,
             )
             p_dv = p_hat * f_hat
             if LEAK > 0:
@@ -516,7 +661,7 @@ def _dkdv_inner(
                 pt, zt, words_dv, BLOCK_N, BLOCK_M, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI,
                 DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI,
                 DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SR,
-                DV_SR_BITS,
+                DV_SR_BITS, had, DV_HAD, HAD_N, DV_INV_C,
             )
         if MASKED:
             do_v = tl.load(dov_ptrs, mask=rows[:, None], other=0.0)  # (BLOCK_M, V_DIM)
@@ -551,7 +696,7 @@ def _dkdv_inner(
             dst, dst, words_dk, BLOCK_N, BLOCK_M, True, DK_MODE, DK_LIFT, DK_EQ_LO, DK_EQ_HI,
             DK_E_UNIT, DK_E_MAX, DK_SQ_LO, DK_SQ_HI, DK_S_UNIT, DK_S_MAX, DK_E_LO, DK_E_HI,
             DK_QBLOCK, DK_RULE, DK_ARITH, DK_TENSOR, DK_EMAX_E, DK_LOG2_ME, DK_TRANS, DK_SR,
-            DK_SR_BITS,
+            DK_SR_BITS, had, DK_HAD, HAD_N, DK_INV_C,
         )
         if MASKED:
             qd = tl.load(qd_ptrs, mask=rows[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM)
@@ -574,10 +719,10 @@ def _dkdv_inner(
 @triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, QD, DOV, DOP, LSE, DELTA, MRef, DK, DV, QF, KF, DOVF, DOPF, VF, QDF, qk_scale,
-    scale, H, G, Sq, Sk, SRKeys, sr_batch, DVStats, DKStats, MS, QM,
+    scale, H, G, Sq, Sk, SRKeys, sr_batch, DVStats, DKStats, MS, QM, Had,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr, REPLAY: tl.constexpr, LEAK: tl.constexpr,
-    SMOOTH_Q: tl.constexpr, MEAN_DK: tl.constexpr, TILE_SCOPE: tl.constexpr,
+    SMOOTH_Q: tl.constexpr, MEAN_DK: tl.constexpr, TILE_SCOPE: tl.constexpr, HAD_N: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -585,6 +730,7 @@ def _attn_bwd_dkdv(
     DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
     DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SPLIT: tl.constexpr,
     DV_SR: tl.constexpr, DV_SR_BITS: tl.constexpr,
+    DV_HAD: tl.constexpr, DV_INV_C: tl.constexpr,
     DK_MODE: tl.constexpr, DK_LIFT: tl.constexpr, DK_EQ_LO: tl.constexpr, DK_EQ_HI: tl.constexpr,
     DK_E_UNIT: tl.constexpr, DK_E_MAX: tl.constexpr, DK_SQ_LO: tl.constexpr,
     DK_SQ_HI: tl.constexpr, DK_S_UNIT: tl.constexpr, DK_S_MAX: tl.constexpr,
@@ -592,6 +738,7 @@ def _attn_bwd_dkdv(
     DK_ARITH: tl.constexpr, DK_TENSOR: tl.constexpr, DK_EMAX_E: tl.constexpr,
     DK_LOG2_ME: tl.constexpr, DK_TRANS: tl.constexpr, DK_SPLIT: tl.constexpr,
     DK_SR: tl.constexpr, DK_SR_BITS: tl.constexpr,
+    DK_HAD: tl.constexpr, DK_INV_C: tl.constexpr,
     # instrumentation: per-tile statistics (`BACKWARD_STATS`), off by default
     TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, DV_UNDER: tl.constexpr = 0.0,
     DV_OVER: tl.constexpr = 0.0, DK_UNDER: tl.constexpr = 0.0, DK_OVER: tl.constexpr = 0.0,
@@ -630,6 +777,7 @@ def _attn_bwd_dkdv(
         f_v = tl.load(VF + bhk.to(tl.int64) * n_k + start_n)
     else:
         f_k, f_v = tl.load(KF + bhk), tl.load(VF + bhk)
+    had = _hadamard_matrix(Had, HAD_N, DV_HAD or DK_HAD)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, V_DIM], dtype=tl.float32)
     # the query tiles in three ranges: [lo, a) masked, [a, e) unmasked, [c, n_q) masked
@@ -673,15 +821,17 @@ def _attn_bwd_dkdv(
                 first, count, sr_dv0, sr_dv1, sr_dk0, sr_dk1, sr_b, hk * G + g,
                 DVStats + stats_at, DKStats + stats_at, MS + bh.to(tl.int64) * n_q * Sk,
                 QM + bh.to(tl.int64) * n_q * HEAD_DIM, f_k, f_v, QF + f_at, DOVF + f_at,
-                DOPF + f_at, QDF + f_at,
+                DOPF + f_at, QDF + f_at, had,
                 r != 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV, REPLAY, LEAK,
-                SMOOTH_Q, MEAN_DK, TILE_SCOPE,
+                SMOOTH_Q, MEAN_DK, TILE_SCOPE, HAD_N,
                 DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
                 DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
                 DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SPLIT, DV_SR, DV_SR_BITS,
+                DV_HAD, DV_INV_C,
                 DK_MODE, DK_LIFT, DK_EQ_LO, DK_EQ_HI, DK_E_UNIT, DK_E_MAX, DK_SQ_LO, DK_SQ_HI,
                 DK_S_UNIT, DK_S_MAX, DK_E_LO, DK_E_HI, DK_QBLOCK, DK_RULE, DK_ARITH, DK_TENSOR,
                 DK_EMAX_E, DK_LOG2_ME, DK_TRANS, DK_SPLIT, DK_SR, DK_SR_BITS,
+                DK_HAD, DK_INV_C,
                 TRACE, N_STATS, DV_UNDER, DV_OVER, DK_UNDER, DK_OVER,
             )
     dk = dk * scale
@@ -696,10 +846,10 @@ def _attn_bwd_dkdv(
 def _dq_inner(
     dq, q, do_p, lse2, delta, k_base, v_base, kd_base, offs_m, rows, qk_scale, f_dp, Sk,
     first, count, sr_dv0, sr_dv1, sr_dq0, sr_dq1, batch, head, dqs_base, ms_base,
-    kf_base, vf_base, kdf_base,
+    kf_base, vf_base, kdf_base, had,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_FROM_DV: tl.constexpr,
-    SMOOTH_Q: tl.constexpr, TILE_SCOPE: tl.constexpr,
+    SMOOTH_Q: tl.constexpr, TILE_SCOPE: tl.constexpr, HAD_N: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -707,6 +857,7 @@ def _dq_inner(
     DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
     DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SR: tl.constexpr,
     DV_SR_BITS: tl.constexpr,
+    DV_HAD: tl.constexpr, DV_INV_C: tl.constexpr,
     DQ_MODE: tl.constexpr, DQ_LIFT: tl.constexpr, DQ_EQ_LO: tl.constexpr, DQ_EQ_HI: tl.constexpr,
     DQ_E_UNIT: tl.constexpr, DQ_E_MAX: tl.constexpr, DQ_SQ_LO: tl.constexpr,
     DQ_SQ_HI: tl.constexpr, DQ_S_UNIT: tl.constexpr, DQ_S_MAX: tl.constexpr,
@@ -714,6 +865,7 @@ def _dq_inner(
     DQ_ARITH: tl.constexpr, DQ_TENSOR: tl.constexpr, DQ_EMAX_E: tl.constexpr,
     DQ_LOG2_ME: tl.constexpr, DQ_TRANS: tl.constexpr, DQ_SPLIT: tl.constexpr,
     DQ_SR: tl.constexpr, DQ_SR_BITS: tl.constexpr,
+    DQ_HAD: tl.constexpr, DQ_INV_C: tl.constexpr,
     TRACE: tl.constexpr, N_STATS: tl.constexpr, DQ_UNDER: tl.constexpr, DQ_OVER: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, tiles held (queries, keys);
@@ -770,7 +922,7 @@ def _dq_inner(
                 p, z, words_dv, BLOCK_M, BLOCK_N, False, DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI,
                 DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI, DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI,
                 DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR, DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SR,
-                DV_SR_BITS,
+                DV_SR_BITS, had, DV_HAD, HAD_N, DV_INV_C,
             )
             ds = (dp - delta[:, None]) * (p_dv * f_dv)
         else:
@@ -782,7 +934,7 @@ def _dq_inner(
             ds, ds, words_dq, BLOCK_M, BLOCK_N, True, DQ_MODE, DQ_LIFT, DQ_EQ_LO, DQ_EQ_HI,
             DQ_E_UNIT, DQ_E_MAX, DQ_SQ_LO, DQ_SQ_HI, DQ_S_UNIT, DQ_S_MAX, DQ_E_LO, DQ_E_HI,
             DQ_QBLOCK, DQ_RULE, DQ_ARITH, DQ_TENSOR, DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS, DQ_SR,
-            DQ_SR_BITS,
+            DQ_SR_BITS, had, DQ_HAD, HAD_N, DQ_INV_C,
         )
         if MASKED:
             kd = tl.load(kd_ptrs, mask=cols[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
@@ -805,10 +957,10 @@ def _dq_inner(
 @triton.jit
 def _attn_bwd_dq(
     Q, K, V, KD, DOP, LSE, DELTA, DQ, QF, KF, DOPF, VF, KDF, qk_scale, scale, H, G, Sq, Sk,
-    SRKeys, sr_batch, DQStats, MS,
+    SRKeys, sr_batch, DQStats, MS, Had,
     HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DS_FROM_DV: tl.constexpr, SMOOTH_Q: tl.constexpr,
-    TILE_SCOPE: tl.constexpr,
+    TILE_SCOPE: tl.constexpr, HAD_N: tl.constexpr,
     DV_MODE: tl.constexpr, DV_LIFT: tl.constexpr, DV_EQ_LO: tl.constexpr, DV_EQ_HI: tl.constexpr,
     DV_E_UNIT: tl.constexpr, DV_E_MAX: tl.constexpr, DV_SQ_LO: tl.constexpr,
     DV_SQ_HI: tl.constexpr, DV_S_UNIT: tl.constexpr, DV_S_MAX: tl.constexpr,
@@ -816,6 +968,7 @@ def _attn_bwd_dq(
     DV_ARITH: tl.constexpr, DV_TENSOR: tl.constexpr, DV_EMAX_E: tl.constexpr,
     DV_LOG2_ME: tl.constexpr, DV_TRANS: tl.constexpr, DV_SPLIT: tl.constexpr,
     DV_SR: tl.constexpr, DV_SR_BITS: tl.constexpr,
+    DV_HAD: tl.constexpr, DV_INV_C: tl.constexpr,
     DQ_MODE: tl.constexpr, DQ_LIFT: tl.constexpr, DQ_EQ_LO: tl.constexpr, DQ_EQ_HI: tl.constexpr,
     DQ_E_UNIT: tl.constexpr, DQ_E_MAX: tl.constexpr, DQ_SQ_LO: tl.constexpr,
     DQ_SQ_HI: tl.constexpr, DQ_S_UNIT: tl.constexpr, DQ_S_MAX: tl.constexpr,
@@ -823,6 +976,7 @@ def _attn_bwd_dq(
     DQ_ARITH: tl.constexpr, DQ_TENSOR: tl.constexpr, DQ_EMAX_E: tl.constexpr,
     DQ_LOG2_ME: tl.constexpr, DQ_TRANS: tl.constexpr, DQ_SPLIT: tl.constexpr,
     DQ_SR: tl.constexpr, DQ_SR_BITS: tl.constexpr,
+    DQ_HAD: tl.constexpr, DQ_INV_C: tl.constexpr,
     # instrumentation: per-tile statistics (`BACKWARD_STATS`), off by default
     TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, DQ_UNDER: tl.constexpr = 0.0,
     DQ_OVER: tl.constexpr = 0.0,
@@ -861,6 +1015,7 @@ def _attn_bwd_dq(
         s_scale = qk_scale * tl.load(QF + bh) * tl.load(KF + bhk)  # the forward's order
         f_dp = tl.load(VF + bhk) * tl.load(DOPF + bh)
         kf_at = bhk
+    had = _hadamard_matrix(Had, HAD_N, DQ_HAD)  # (P^ for dS = P^ (dP - D) is never rotated)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dqs_base = DQStats + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * tl.cdiv(
         Sk, BLOCK_N) * N_STATS
@@ -881,14 +1036,17 @@ def _attn_bwd_dq(
             KD + k_row0 * HEAD_DIM, offs_m, rows, s_scale, f_dp, Sk, first, count,
             sr_dv0, sr_dv1, sr_dq0, sr_dq1, sr_b, h, dqs_base,
             MS + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * Sk, KF + kf_at,
-            VF + kf_at, KDF + kf_at,
+            VF + kf_at, KDF + kf_at, had,
             r == 1, CAUSAL, HEAD_DIM, V_DIM, BLOCK_M, BLOCK_N, DS_FROM_DV, SMOOTH_Q, TILE_SCOPE,
+            HAD_N,
             DV_MODE, DV_LIFT, DV_EQ_LO, DV_EQ_HI, DV_E_UNIT, DV_E_MAX, DV_SQ_LO, DV_SQ_HI,
             DV_S_UNIT, DV_S_MAX, DV_E_LO, DV_E_HI, DV_QBLOCK, DV_RULE, DV_ARITH, DV_TENSOR,
             DV_EMAX_E, DV_LOG2_ME, DV_TRANS, DV_SR, DV_SR_BITS,
+            DV_HAD, DV_INV_C,
             DQ_MODE, DQ_LIFT, DQ_EQ_LO, DQ_EQ_HI, DQ_E_UNIT, DQ_E_MAX, DQ_SQ_LO, DQ_SQ_HI,
             DQ_S_UNIT, DQ_S_MAX, DQ_E_LO, DQ_E_HI, DQ_QBLOCK, DQ_RULE, DQ_ARITH, DQ_TENSOR,
             DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS, DQ_SPLIT, DQ_SR, DQ_SR_BITS,
+            DQ_HAD, DQ_INV_C,
             TRACE, N_STATS, DQ_UNDER, DQ_OVER,
         )
     if TILE_SCOPE:  # K^'s factors went into each tile's product
@@ -952,6 +1110,9 @@ def attention_backward(
     )  # fmt: skip
     tile_scope = qf.dim() == 3  # tensor_scope=tile: factors per tile, (B, H|Hkv, n tiles)
     n_k = triton.cdiv(Sk, block_n)
+    had, had_n = _rotation(q.device, trace, dv_p=dv_p, dq_ds=dq_ds, dk_ds=dk_ds)
+    if ds_from_dv and dv_p.hadamard is not None:
+        raise ValueError("ds_from_dv: dS = P^ (dP - D) would take the rotated P^ of dv_p")
 
     def f32(f: torch.Tensor, n: int) -> torch.Tensor:
         # a factor as the kernels read it: per head, or per tile (a per-head one repeated)
@@ -971,10 +1132,11 @@ def attention_backward(
     lse = ops.lse.contiguous()
     common = dict(
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        DS_FROM_DV=ds_from_dv, TILE_SCOPE=tile_scope, num_warps=num_warps,
+        DS_FROM_DV=ds_from_dv, TILE_SCOPE=tile_scope, HAD_N=had_n, num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     spare = lse  # a pointer for the buffers an uninstrumented kernel never touches
+    had = spare if had is None else had
     shift = spare if ops.mean_scores is None else ops.mean_scores
     smooth = dict(SMOOTH_Q=ops.mean_scores is not None)
     dkdv_trace, dq_trace = {}, {}
@@ -999,7 +1161,7 @@ def attention_backward(
          f32(qf, n_q), f32(kf, n_k), f32(f_dov, n_q), f32(f_dop, n_q), f32(f_v, n_k),
          f32(f_qd, n_q), scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table, stats["dv"],
          stats["dk"], shift,
-         spare if ops.q_dk_mean is None else ops.q_dk_mean),
+         spare if ops.q_dk_mean is None else ops.q_dk_mean, had),
         dict(REPLAY=m_ref is not None, LEAK=leakage_block, MEAN_DK=ops.q_dk_mean is not None,
              **smooth, **common, **dv_constants,
              **dk_ds.constants("DK", keys_last=False), **dkdv_trace),
@@ -1011,11 +1173,31 @@ def attention_backward(
         _attn_bwd_dq, (triton.cdiv(Sq, block_m), B * H),
         (q, k, v, kd, do_p, lse, delta, dq, f32(qf, n_q), f32(kf, n_k), f32(f_dop, n_q),
          f32(f_v, n_k), f32(f_kd, n_k), scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table,
-         stats["dq"], shift),
+         stats["dq"], shift, had),
         dict(**smooth, **common, **dv_p.constants("DV", keys_last=True),
              **dq_ds.constants("DQ", keys_last=True), **dq_trace),
     )  # fmt: skip
     return dq, dk, dv
+
+
+def _rotation(device, trace, **quantizers: TileQuantizer):
+    """(matrix, size): the fp32 Hadamard matrix the in-register quantizers that rotate share
+    (`fp4lab.formats.hadamard_matrix`, signs from its seed), or (None, 128) where none does;
+    ValueError where two rotate by different matrices or a trace is asked of them."""
+    rotations = {tq.hadamard for tq in quantizers.values() if tq.hadamard is not None}
+    if not rotations:
+        return None, 128
+    transformed = [f for f, tq in quantizers.items() if tq.hadamard or tq.pq.MODE == _MODE_EDEN]
+    if len(rotations) > 1:
+        raise ValueError(
+            f"{', '.join(transformed)}: the Triton backward rotates its in-register operands by "
+            f"one Hadamard matrix, got (size, seed) {sorted(rotations)}"
+        )
+    if trace is not None:
+        raise ValueError(f"trace: the instrumented backward does not count the rotated "
+                         f"operands {', '.join(transformed)}")  # fmt: skip
+    (n, seed), = rotations
+    return hadamard_matrix(n, seed, torch.float32, device).contiguous(), n
 
 
 def trace_buffers(B, H, Sq, Sk, block_m, block_n, device) -> dict:
@@ -1055,11 +1237,18 @@ def _launch(kernel, grid: tuple, args: tuple, constants: dict) -> None:
 
 
 def check_tiles(block_m: int, block_n: int, **quantizers: TileQuantizer) -> None:
-    """Blocks along the keys must tile block_n, along the queries block_m."""
+    """Blocks along the keys must tile block_n, along the queries block_m; so must a Hadamard
+    transform's groups (MS-EDEN's 128), which rotate each tile along that axis."""
     for field, tq in quantizers.items():
-        if tq.pq.MODE not in (2, 3, 6):
-            continue
         size, name = (block_n, "block_n") if tq.along_keys else (block_m, "block_m")
+        if tq.hadamard is not None and size % tq.hadamard[0]:
+            raise ValueError(
+                f"{name}={size} is not a multiple of {tq.hadamard[0]}, the Hadamard size of "
+                f"operand {field!r} along the {'keys' if tq.along_keys else 'queries'}: the "
+                "kernel rotates each tile in whole groups along its blocks' axis"
+            )
+        if tq.pq.MODE not in (2, 3, 6, _MODE_EDEN):
+            continue
         if size % tq.pq.BLOCK:
             raise ValueError(
                 f"{name}={size} is not a multiple of {tq.pq.BLOCK}, the block size of operand "

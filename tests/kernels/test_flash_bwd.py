@@ -318,11 +318,12 @@ def _quantize_tile_kernel(
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, TRANS: tl.constexpr, SPLIT: tl.constexpr,
-    SR: tl.constexpr, SR_BITS: tl.constexpr,
+    SR: tl.constexpr, SR_BITS: tl.constexpr, HAD: tl.constexpr, INV_C: tl.constexpr,
 ):  # fmt: skip
     # every constant `TileQuantizer.constants` passes is a parameter: the compiler refuses an
     # unknown keyword where the interpreter ignores it (the first H200 run failed on SR)
     tl.static_assert(not SR, "the tile test takes deterministic formats only")
+    tl.static_assert(not HAD, "rotated tiles: tests/kernels/test_flash_eden.py")
     offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     x = tl.load(X + offs)
     values, factor = flash_bwd._quantize_tile(

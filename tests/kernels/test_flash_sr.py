@@ -132,9 +132,10 @@ def _sr_tile_kernel(
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, TRANS: tl.constexpr, SPLIT: tl.constexpr,
-    SR: tl.constexpr, SR_BITS: tl.constexpr,
+    SR: tl.constexpr, SR_BITS: tl.constexpr, HAD: tl.constexpr, INV_C: tl.constexpr,
 ):  # fmt: skip
     # a signed tile (dS) of batch 0, head 0, rows 0.., columns 0..: its words, then quantized
+    tl.static_assert(not HAD, "rotated tiles: tests/kernels/test_flash_eden.py")
     offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     x = tl.load(X + offs)
     words = tile_words(k0.to(tl.uint32), k1.to(tl.uint32), zero, zero, tl.arange(0, ROWS), 0,
@@ -263,7 +264,8 @@ def test_a_heads_and_a_batchs_draws_do_not_depend_on_the_others():
 @pytest.mark.parametrize(
     "recipe, what",
     [
-        ("croissattn_eden", "dv_do in nvfp4_ms_eden \\(Hadamard"),
+        (_variant("croissattn_eden", dv_do=NVFP4_SR),
+         "dv_p and dv_do with different Hadamard transforms"),
         (_variant("nvfp4", dq_ds=dataclasses.replace(NVFP4_SR, name="sr40", sr_bits=40)),
          "dq_ds: .*sr_bits=40"),
         (_variant("fa4fp4_directp", direct_p_affine=None,
@@ -271,7 +273,7 @@ def test_a_heads_and_a_batchs_draws_do_not_depend_on_the_others():
                                         rounding=Rounding.STOCHASTIC)),
          "Direct-P .*rounds stochastically"),
     ],
-    ids=["ms-eden", "sr-bits-40", "direct-p-sr"],
+    ids=["ms-eden-unpaired", "sr-bits-40", "direct-p-sr"],
 )  # fmt: skip
 def test_what_stochastic_rounding_does_not_run_is_refused_by_name(recipe, what):
     q, k, v, do = inputs(1, 1, 1, 128, 128, 128, seed=4)
