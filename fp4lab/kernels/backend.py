@@ -301,7 +301,9 @@ def _check_call(q, k, v, trace, attn_mask) -> None:
 def _noise(x: torch.Tensor, recipe: AttentionRecipe, field: str, key: int | None):
     """The uniforms whole-tensor operand `field` (x: (B, heads, S, E)) rounds stochastically
     with, as the simulation draws them (`fp4lab.formats.streams`, from the pass's key `key`);
-    None for a format that draws nothing."""
+    None for a format that draws nothing. On a GPU they come from one Triton kernel
+    (`fp4lab.kernels.random.stream_uniforms`, bit for bit the torch reference's, which runs
+    some 120 passes over int64 buffers of the whole tensor); elsewhere from torch."""
     spec = getattr(recipe, field)
     if not (isinstance(spec, QuantSpec) and spec.stochastic):
         return None
@@ -310,7 +312,12 @@ def _noise(x: torch.Tensor, recipe: AttentionRecipe, field: str, key: int | None
             f"key: operand {field!r} rounds stochastically ({spec.name}) and needs the pass's "
             "key (fp4lab.formats.streams.pass_key)"
         )
-    return tensor_uniforms(stream_keys(key, operand(field).stream), x.shape, x.device)
+    keys = stream_keys(key, operand(field).stream)
+    if x.device.type == "cuda":  # one Triton kernel, the same bits (`kernels.random`)
+        from fp4lab.kernels.random import stream_uniforms
+
+        return stream_uniforms(keys, x.shape, x.device)
+    return tensor_uniforms(keys, x.shape, x.device)
 
 
 def _operand(

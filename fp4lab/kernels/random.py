@@ -70,3 +70,51 @@ def tile_words(k0, k1, batch, head, rows, col0, ROWS: tl.constexpr, COLS: tl.con
     w0, w1, w2, w3 = philox4x32(c0, c1, c2, c3, k0, k1, 10)
     # join's new axis is the last: (ROWS, COLS / 4, 2, 2) holds word 2 i + j at [..., i, j]
     return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (ROWS, COLS))
+
+
+TWO_TO_MINUS_32: tl.constexpr = tl.constexpr(2.0**-32)
+
+
+@triton.jit
+def _stream_uniforms_kernel(
+    Out, K0, K1, chunk, H, S, E, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """One (ROWS, COLS) tile of one (batch, head) of a whole operand's uniforms, float64: word
+    e % 4 of Philox4x32-10 at the counter (e // 4, s, h, b mod chunk) under the key of
+    sample b // chunk (K0, K1: int64 words, one per sample), times 2^-32."""
+    bh, rb, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    sample = b // chunk
+    k0 = tl.load(K0 + sample).to(tl.uint32)
+    k1 = tl.load(K1 + sample).to(tl.uint32)
+    rows = rb * ROWS + tl.arange(0, ROWS)
+    cols = cb * COLS + tl.arange(0, COLS)
+    words = tile_words(k0, k1, b - sample * chunk, h, rows, cb * COLS, ROWS, COLS)
+    offs = (bh * S + rows[:, None]).to(tl.int64) * E + cols[None, :]
+    inside = (rows[:, None] < S) & (cols[None, :] < E)
+    tl.store(Out + offs, words.to(tl.float64) * TWO_TO_MINUS_32, mask=inside)
+
+
+def stream_uniforms(keys, shape, device):
+    """`fp4lab.formats.streams.tensor_uniforms` in one Triton kernel, bit for bit: the float64
+    uniforms of a whole operand (B, heads, seq, E) for the stream keyed by `keys` (a 64-bit
+    key, or a tuple of n keys, each drawing one of n equal consecutive chunks of the batch, its
+    batch counted from 0), element (b, h, s, e) at counter (e // 4, s, h, b). The torch
+    reference runs Philox's ten rounds as some 120 elementwise passes over int64 buffers of
+    the whole tensor; this writes each uniform once."""
+    import torch
+
+    b, h, s, e = shape
+    keys = keys if isinstance(keys, tuple) else (keys,)
+    if b % len(keys):
+        raise ValueError(f"keys: {len(keys)} keys do not split a batch of {b} into equal chunks")
+    words = torch.tensor([philox.split_key(k) for k in keys], dtype=torch.int64, device=device)
+    out = torch.empty(shape, dtype=torch.float64, device=device)
+    if out.numel() == 0:
+        return out
+    cols = min(128, max(4, triton.next_power_of_2(e)))
+    rows = max(1, min(64, 4096 // cols))
+    grid = (b * h, triton.cdiv(s, rows), triton.cdiv(e, cols))
+    _stream_uniforms_kernel[grid](out, words[:, 0].contiguous(), words[:, 1].contiguous(),
+                                  b // len(keys), h, s, e, ROWS=rows, COLS=cols)  # fmt: skip
+    return out

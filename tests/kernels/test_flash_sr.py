@@ -329,3 +329,25 @@ def test_samples_stacked_along_the_batch_draw_as_they_would_alone(backend_name):
     with pytest.raises(ValueError, match="2 generators .* batch of 3"):
         run(*(x.repeat(3, 1, 1, 1) for x in (q, k, v, do)), recipe, backend_name,
             generator=[1, 2], **tiles)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key, shape",
+    [(12345, (2, 3, 70, 72)), ((7, 2**63 + 5, 99), (6, 2, 33, 64)), (2**64 - 1, (1, 1, 5, 6)),
+     ((11, 12), (2, 2, 130, 128))],
+    ids=["odd-head-dim", "three-samples", "top-key-tiny", "two-samples-long-rows"],
+)  # fmt: skip
+def test_the_kernels_whole_operand_uniforms_are_the_streams_bit_for_bit(key, shape):
+    # what the Triton backend hands the fused quantizer on a GPU: one kernel in place of the
+    # torch reference's passes; every element, head_dims not a multiple of 4 or of the tile,
+    # rows past a tile, stacked samples each under its own key with its batch counted from 0
+    from fp4lab.kernels.random import stream_uniforms
+
+    got = stream_uniforms(key, shape, DEVICE).cpu()
+    want = tensor_uniforms(key, shape, "cpu")
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+    other = stream_uniforms(key ^ 1 if isinstance(key, int) else (key[0] ^ 1, *key[1:]), shape,
+                            DEVICE).cpu()  # fmt: skip
+    assert not torch.equal(other, want)  # the key matters (a kernel ignoring it would pass)
+    with pytest.raises(ValueError, match="keys: 2 keys do not split a batch of 3"):
+        stream_uniforms((1, 2), (3, 1, 4, 4), DEVICE)
