@@ -46,45 +46,19 @@ import triton.language as tl  # noqa: E402
 from fp4lab.kernels import flash, flash_bwd  # noqa: E402
 from fp4lab.kernels.random import tile_words  # noqa: E402
 
+from .helpers import DEVICE, GRADS, inputs, rel, rel_but_rows, run  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:invalid value:RuntimeWarning", "ignore:divide by zero:RuntimeWarning",
     "ignore:overflow:RuntimeWarning",
 )  # fmt: skip
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BUDGET = 1e-3  # tests/kernels/test_flash_bwd.py's, of all but the FLIPPED_ROWS worst rows
 FLIPPED_ROWS = 32  # a tile's tensor scale moving: ~1/32 of its blocks' scales (module doc)
 EDEN_BUDGET = 3e-2  # of the whole gradient: single flips of one grid step (module doc)
-GRADS = ("dq", "dk", "dv")
 TILES = dict(block_m=128, block_n=128)
 PAIRS = {"dp": ("dp_do", "dp_v"), "dv": ("dv_p", "dv_do"), "dq": ("dq_ds", "dq_k"),
          "dk": ("dk_ds", "dk_q")}  # fmt: skip
-
-
-def inputs(b, h, hk, sq, sk, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    make = lambda heads, s: torch.randn(b, heads, s, d, generator=g).to(DEVICE, torch.bfloat16)  # noqa: E731
-    return make(h, sq), make(hk, sk), make(hk, sk), make(h, sq)
-
-
-def run(q, k, v, do, recipe, backend_name="triton", **options):
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = fp4lab.attention(*leaves, recipe, backend=backend_name, **options)
-    out.backward(do)
-    return dict(zip(("o", *GRADS), (out.detach(), *(x.grad for x in leaves)), strict=True))
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def rel_but_rows(a, b, rows: int) -> float:
-    """rel(a, b) with the `rows` rows (sequence positions of a (B, H, S, E) gradient) that
-    differ most left out of both."""
-    worst = (a.float() - b.float()).abs().amax(-1).flatten().topk(rows).indices
-    keep = torch.ones(a.shape[:-1], dtype=torch.bool, device=a.device).flatten()
-    keep[worst] = False
-    return rel(a.reshape(-1, a.shape[-1])[keep], b.reshape(-1, b.shape[-1])[keep])
 
 
 def assert_within_budget(got, want, what):

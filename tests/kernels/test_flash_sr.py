@@ -36,14 +36,14 @@ import triton.language as tl  # noqa: E402
 from fp4lab.kernels import backend, flash, flash_bwd  # noqa: E402
 from fp4lab.kernels.random import tile_words  # noqa: E402
 
+from .helpers import DEVICE, GRADS, inputs, rel, rel_but_rows, run  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:invalid value:RuntimeWarning", "ignore:divide by zero:RuntimeWarning",
     "ignore:overflow:RuntimeWarning",
 )  # fmt: skip
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BUDGET = 1e-3  # tests/kernels/test_flash_bwd.py's: summation order only
-GRADS = ("dq", "dk", "dv")
 # Rows of a gradient left out of its budget: where the bf16 output O of the two paths differs
 # by one ulp (a 1e-7 difference of fp32 sums crossing a bf16 rounding boundary, a few rows
 # per call), D = rowsum(dO * O) differs by ~2^-9 relative, and so does that row's dS: an
@@ -55,32 +55,6 @@ GRADS = ("dq", "dk", "dv")
 FLIPPED_ROWS = 2
 BACKWARD_FIELDS = ("dv_p", "dv_do", "dp_do", "dp_v", "dq_ds", "dq_k", "dk_ds", "dk_q")
 SR_BITS_8 = dataclasses.replace(NVFP4_SR, name="nvfp4_sr8", sr_bits=8)
-
-
-def inputs(b, h, hk, sq, sk, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    make = lambda heads, s: torch.randn(b, heads, s, d, generator=g).to(DEVICE, torch.bfloat16)  # noqa: E731
-    return make(h, sq), make(hk, sk), make(hk, sk), make(h, sq)
-
-
-def run(q, k, v, do, recipe, backend_name="triton", **options):
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = fp4lab.attention(*leaves, recipe, backend=backend_name, **options)
-    out.backward(do)
-    return dict(zip(("o", *GRADS), (out.detach(), *(x.grad for x in leaves)), strict=True))
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def rel_but_rows(a, b, rows: int) -> float:
-    """rel(a, b) with the `rows` rows (sequence positions of a (B, H, S, E) gradient) that
-    differ most left out of both."""
-    worst = (a.float() - b.float()).abs().amax(-1).flatten().topk(rows).indices
-    keep = torch.ones(a.shape[:-1], dtype=torch.bool, device=a.device).flatten()
-    keep[worst] = False
-    return rel(a.reshape(-1, a.shape[-1])[keep], b.reshape(-1, b.shape[-1])[keep])
 
 
 def _variant(name, **fields):
