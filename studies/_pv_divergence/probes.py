@@ -124,14 +124,20 @@ def _scores(q: torch.Tensor, k: torch.Tensor, recipe) -> dict:
     and the peak of log2 P = (s - m) log2 e against the recipe's row reference m where it is
     fixed (`p_log2_peak`: the anchor or 0; 0 with a running maximum; NaN for a lazy one):
     P, and the P V sum, overflow float32 near 128."""
-    t, d = q.shape[-2], q.shape[-1]
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(d)  # (B, H, T, T)
-    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-    s = s.masked_fill(future, float("-inf"))
+    d = q.shape[-1]
+    s = _causal_scores(q, k)
     p = s.softmax(-1)
     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
     return {"entropy": float(entropy.mean()), "max_logit": float(s.amax()),
             "p_log2_peak": _p_log2_peak(s, recipe, d)}
+
+
+def _causal_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q k^T / sqrt d (B, H, T, T) with the future keys at -inf."""
+    t = q.shape[-2]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    return s.masked_fill_(future, float("-inf"))
 
 
 def step_scores(q: torch.Tensor, k: torch.Tensor, recipe) -> torch.Tensor:
@@ -140,12 +146,8 @@ def step_scores(q: torch.Tensor, k: torch.Tensor, recipe) -> torch.Tensor:
     a lazy one), as `_scores` gives them at a probe, for one layer of one training step
     (`training.Run.train_step`'s per-step columns)."""
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        q, k = q.float(), k.float()
-        t, d = q.shape[-2], q.shape[-1]
-        s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
-        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-        s = s.masked_fill_(future, float("-inf"))
-        peaks = _row_log2_peaks(s, recipe, d)
+        s = _causal_scores(q.float(), k.float())
+        peaks = _row_log2_peaks(s, recipe, q.shape[-1])
         peak = s.new_tensor(float("nan")) if peaks is None else peaks.amax()
         return torch.stack([s.amax(), peak])
 

@@ -39,12 +39,13 @@ import triton.language as tl  # noqa: E402
 
 from fp4lab.kernels import backend, flash_bwd  # noqa: E402
 
+from .helpers import DEVICE, GRADS, inputs, rel, run  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:invalid value:RuntimeWarning", "ignore:divide by zero:RuntimeWarning",
     "ignore:overflow:RuntimeWarning",
 )  # fmt: skip
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BUDGET = 1e-3
 FP8_PV_BUDGET = 5e-3  # the forward's FP8 P V on a GPU reaches D (not yet measured there)
 RECIPES = [
@@ -53,24 +54,12 @@ RECIPES = [
     "fa4fp4_causal_mxfp4pv_fixed", "attn_qat", "attn_qat_dropin", "flash_bf16",
     "fa4fp4_directp", "sageattn3_paper", "attn_qat_kernel", "fa3_fp8_paper",
 ]  # fmt: skip
-GRADS = ("dq", "dk", "dv")
-
-
-def inputs(b, h, hk, sq, sk, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    make = lambda heads, s: torch.randn(b, heads, s, d, generator=g).to(DEVICE, torch.bfloat16)  # noqa: E731
-    return make(h, sq), make(hk, sk), make(hk, sk), make(h, sq)
 
 
 def gradients(q, k, v, do, recipe, backend_name="triton", **options):
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = fp4lab.attention(*leaves, recipe, backend=backend_name, **options)
-    out.backward(do)
-    return dict(zip(GRADS, (x.grad for x in leaves), strict=True))
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    """dQ, dK, dV of one call (`helpers.run` without the output)."""
+    found = run(q, k, v, do, recipe, backend_name, **options)
+    return {g: found[g] for g in GRADS}
 
 
 def budget_for(recipe) -> float:
