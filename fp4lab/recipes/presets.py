@@ -578,7 +578,11 @@ def FA4FP4_CAUSAL_MXFP4PV_FIXED() -> AttentionRecipe:
     Assumptions: the post names only V in P V (P is safe: the causal mask zeroes its future
     entries) and says nothing of the backward, which stays `fa4fp4_causal_mxfp4pv`'s (the
     route of MrHuff/fp4-fa4's ``release/routes.json``). The post was read in a third-party
-    copy (sdrshn-nmbr/tpu-cake, ``matx/text/pages/future-leakage.md``)."""
+    copy (sdrshn-nmbr/tpu-cake, ``matx/text/pages/future-leakage.md``). No released code
+    composes the fix with this route's stored-scale shift: fp4lab's diagonal blocks enter P V
+    and the row sum as P 2^-S, in the shifted units the quantized blocks take (P 2^-S where P
+    is finite, exp(z - S ln 2) past it), so the fix's own float32 overflow sits at log2 P
+    128 + S against the anchor, where the route's P^ saturates instead."""
     return _fa4_mxfp4pv(
         "fa4fp4_causal_mxfp4pv_fixed",
         row_reference=RowReference.ANCHOR,
