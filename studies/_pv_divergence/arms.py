@@ -62,6 +62,10 @@ class Arm:
         loss_scale: the training loss is multiplied by it before the backward and every
             gradient divided by it after (a positive power of two, so both are exact and only
             the quantized attention backward sees dO this many times larger); 1: none.
+        gradient: a recipe whose gradient the training backward takes in place of
+            `recipe`'s own, straight through the whole attention (`gpt.AttentionCall`): the
+            forward's output is `recipe`'s, the gradient `gradient`'s at the same q, k, v;
+            None (the default): `recipe`'s own backward.
     """
 
     recipe: AttentionRecipe | None
@@ -70,6 +74,7 @@ class Arm:
     grad_clip: float | None = None
     qk_norm: bool = False
     loss_scale: float = 1.0
+    gradient: AttentionRecipe | None = None
 
     def __post_init__(self) -> None:
         scale = self.loss_scale
@@ -145,6 +150,9 @@ ARMS: dict[str, Arm] = {
     "mxfp4pv_exact_bwd": Arm(_MX.with_exact_backward(),
                              "MXFP4 P/V's forward with the exact gradient of it (no FP8 "
                              "backward)"),
+    "mxfp4pv_bf16_grad": Arm(_MX, "MXFP4 P/V's forward with bf16 attention's gradient, "
+                             "straight through the whole attention (no quantized backward, "
+                             "no lse rebuilt from the quantized forward)", gradient=FLASH_BF16),
     "fp8pv_loss_scaled": Arm(FA4FP4_CAUSAL, "FP8 P/V with the loss scaled by 2^13 (the batch's "
                              "token count) for the backward: E5M2(4 dO) keeps this model's dO",
                              loss_scale=LOSS_SCALE),
@@ -157,7 +165,7 @@ ARMS: dict[str, Arm] = {
 # full run the unscaled v509 backward flushed 85-98% of dO, and fp8pv_loss_scaled trained as
 # bf16 did while fp8pv drifted in 1 of 2 seeds (studies/README.md)
 _SCALED = ("mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_rceil_v", "mxfp4pv_sr_v", "nvfp4pv",
-           "ue5m3pv", "mxfp4pv_leakfix", "mxfp4pv_qknorm")
+           "ue5m3pv", "mxfp4pv_leakfix", "mxfp4pv_qknorm", "mxfp4pv_running_max")
 for _name in _SCALED:
     _arm = ARMS[_name]
     ARMS[f"{_name}_loss_scaled"] = dataclasses.replace(
@@ -202,6 +210,9 @@ CAUSES = (
     Cause("attention logit growth on the FP8 route", "fp8pv_qknorm", "fp8pv", "fix"),
     Cause("the missing stored-scale shift (P V and the row sum on P^ itself, closer to "
           "float32's top)", "mxfp4pv_unshifted", "mxfp4pv", "cause"),
+    Cause("MXFP4 P/V's backward at all (the quantized backward and the P it rebuilds from "
+          "the represented lse), against the FP8 backward with dO kept", "mxfp4pv_bf16_grad",
+          "mxfp4pv_loss_scaled", "fix"),
     Cause("the FP8 backward's fixed dO scale against this model's gradient magnitude",
           "fp8pv_loss_scaled", "fp8pv", "fix"),
     Cause("the FP8 backward's fixed dO scale against this model's gradient magnitude, on "

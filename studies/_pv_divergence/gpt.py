@@ -80,6 +80,10 @@ class AttentionCall:
     # called as watch(layer, q, k) with each layer's detached q and k, before it attends (the
     # training loop's per-step logit statistics); None: nothing
     watch: object = None
+    # the recipe whose gradient the backward takes, straight through the whole attention:
+    # the output is `recipe`'s (run without autograd) and the gradient `gradient`'s at the
+    # same q, k, v (its own forward run for it); None: `recipe`'s own backward
+    gradient: AttentionRecipe | None = None
 
 
 @dataclass
@@ -149,11 +153,16 @@ def attend(q, k, v, call: AttentionCall, layer: int) -> torch.Tensor:
     if call.recipe is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     seed = None if call.seed is None else (call.seed * 1_000_003 + layer) % 2**62
+    run = dict(causal=True, backend=call.backend, block_m=call.block, block_n=call.block)
     with torch.autocast(q.device.type, enabled=False):
-        return fp4lab.attention(
-            q, k, v, call.recipe, causal=True, backend=call.backend, generator=seed,
-            block_m=call.block, block_n=call.block, trace=call.trace,
-        )
+        if call.gradient is None:
+            return fp4lab.attention(q, k, v, call.recipe, generator=seed, trace=call.trace,
+                                    **run)
+        with torch.no_grad():
+            y = fp4lab.attention(q, k, v, call.recipe, generator=seed, trace=call.trace, **run)
+        through = fp4lab.attention(q, k, v, call.gradient, **run)
+        # y's value bit for bit (t - t is 0 where t is finite) with `through`'s gradient
+        return (through - through.detach()) + y
 
 
 class Block(nn.Module):

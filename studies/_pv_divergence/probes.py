@@ -35,6 +35,7 @@ Everything is returned as rows (dicts of numbers), nothing is printed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -104,8 +105,8 @@ def traced_step(model: GPT, x, y, call: AttentionCall, autocast, batch: int,
     as training's): a row per layer (see the module)."""
     trace = fp4lab.Trace()
     # the trace is the reference path's (the instrumented simulation; Triton has none)
-    traced = AttentionCall(call.recipe, "reference", call.block, call.seed,
-                           trace if call.recipe is not None else None)
+    traced = dataclasses.replace(call, backend="reference", watch=None,
+                                 trace=trace if call.recipe is not None else None)
     capture = captured_step(model, x, y, traced, autocast, batch, loss_scale)
     frame = trace.to_frame()
     rows = []
@@ -315,12 +316,20 @@ def _peaks_of_rows(q, k, call: AttentionCall, rows: torch.Tensor) -> dict:
 
 def _gradient_error(q, k, v, do, call: AttentionCall, layer: int) -> dict:
     """Relative L2 error of the layer's O, dQ, dK, dV under the recipe against exact float64
-    attention on the same q, k, v, dO (the reference path's simulation of the recipe)."""
+    attention on the same q, k, v, dO (the reference path's simulation of the recipe); with a
+    straight-through `call.gradient`, O's from the recipe and the gradients' from the
+    gradient recipe, as training takes them."""
     seed = None if call.seed is None else (call.seed * 1_000_003 + layer) % 2**62
-    found = fp4lab.compare(q, k, v, do, call.recipe, causal=True, generator=seed, trace=False,
-                           block_m=call.block, block_n=call.block)
-    errors = found.errors.set_index("tensor")["rel_l2"]
-    return {f"{t}_err_vs_exact": float(errors[t]) for t in ("o", "dq", "dk", "dv")}
+
+    def errors(recipe):
+        found = fp4lab.compare(q, k, v, do, recipe, causal=True, generator=seed, trace=False,
+                               block_m=call.block, block_n=call.block)
+        return found.errors.set_index("tensor")["rel_l2"]
+
+    forward = errors(call.recipe)
+    backward = forward if call.gradient is None else errors(call.gradient)
+    return {"o_err_vs_exact": float(forward["o"]),
+            **{f"{t}_err_vs_exact": float(backward[t]) for t in ("dq", "dk", "dv")}}
 
 
 def leak_positions(seq_len: int) -> list[int]:

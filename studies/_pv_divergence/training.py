@@ -286,7 +286,8 @@ class Run:
         seed = None
         if recipe is not None and recipe.stochastic:
             seed = stream_seed(self.spec.sr_seed, "sr", step)
-        return AttentionCall(recipe, self.backend, self.spec.block, seed, trace)
+        return AttentionCall(recipe, self.backend, self.spec.block, seed, trace,
+                             gradient=self.arm.gradient)
 
     # -- checkpoints ----------------------------------------------------------------------
     def resume(self) -> bool:

@@ -663,6 +663,58 @@ def test_each_loss_scaled_cause_is_its_unscaled_cause_against_the_scaled_baselin
     assert all(c.baseline in full for c in arms.CAUSES if c.arm in full)
 
 
+# -- the straight-through gradient arm --------------------------------------------------------
+def test_a_straight_through_gradient_keeps_the_recipes_output_and_takes_the_others_gradient():
+    """`AttentionCall.gradient`: the output is the recipe's bit for bit, and dQ, dK, dV are the
+    gradient recipe's own (its backward at the same q, k, v and dO), not the recipe's."""
+    gpt, arms = PARTS["gpt"], PARTS["arms"].ARMS
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, 2, 96, 64, generator=g) * 2 for _ in range(4))
+    arm = arms["mxfp4pv_bf16_grad"]
+    assert arm.recipe is arms["mxfp4pv"].recipe and arm.gradient is arms["bf16"].recipe
+
+    def run(call):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = gpt.attend(*leaves, call, 0)
+        out.backward(do)
+        return out.detach(), [t.grad for t in leaves]
+
+    through = run(gpt.AttentionCall(arm.recipe, block=64, gradient=arm.gradient))
+    own = run(gpt.AttentionCall(arm.recipe, block=64))
+    other = run(gpt.AttentionCall(arm.gradient, block=64))
+    assert torch.equal(through[0], own[0]) and not torch.equal(own[0], other[0])
+    for a, b, c in zip(through[1], other[1], own[1], strict=True):
+        assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_the_probes_gradient_error_of_a_straight_through_arm_is_its_gradient_recipes():
+    """The probes report what training takes: O's error from MXFP4 P/V, dQ/dK/dV's from bf16."""
+    gpt, probes, arms = PARTS["gpt"], PARTS["probes"], PARTS["arms"].ARMS
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(1, 2, 96, 64, generator=g) * 2 for _ in range(4))
+    errors = {name: probes._gradient_error(q, k, v, do, gpt.AttentionCall(
+        arms[name].recipe, block=64, gradient=arms[name].gradient), 0)
+        for name in ("mxfp4pv_bf16_grad", "mxfp4pv", "bf16")}
+    mixed, mx, bf = (errors[n] for n in ("mxfp4pv_bf16_grad", "mxfp4pv", "bf16"))
+    assert mixed["o_err_vs_exact"] == mx["o_err_vs_exact"] != bf["o_err_vs_exact"]
+    for t in ("dq", "dk", "dv"):
+        assert mixed[f"{t}_err_vs_exact"] == bf[f"{t}_err_vs_exact"] < mx[f"{t}_err_vs_exact"]
+
+
+def test_a_straight_through_arm_trains_and_its_cause_is_against_the_scaled_route(monkeypatch):
+    """Three steps of `mxfp4pv_bf16_grad` run, finite; the probes' dQ error is bf16's scale
+    (far below MXFP4 P/V's own at the same step), and its cause compares it with MXFP4 P/V
+    loss-scaled (the route whose FP8 backward keeps dO)."""
+    found = _tiny_run(monkeypatch, "mxfp4pv_bf16_grad", 1.0)
+    assert np.isfinite(found["metrics"]["loss"]).all()
+    causes = {c.arm: c for c in PARTS["arms"].CAUSES}
+    assert causes["mxfp4pv_bf16_grad"].baseline == "mxfp4pv_loss_scaled"
+    own = _tiny_run(monkeypatch, "mxfp4pv", 1.0)
+    first = [t["layers"][t["layers"]["step"] == -1].set_index("layer") for t in (found, own)]
+    assert (first[0]["o_err_vs_exact"] == first[1]["o_err_vs_exact"]).all()
+    assert (first[0]["dq_err_vs_exact"] < first[1]["dq_err_vs_exact"]).all()
+
+
 # -- deterministic algorithms -----------------------------------------------------------------
 def test_deterministic_algorithms_are_set_by_the_flag_and_recorded(short, monkeypatch):
     """The function the study calls on GPUs turns torch's deterministic algorithms on (warn
