@@ -15,10 +15,11 @@ and ``_d64`` as the 1.2B records ran it), and variants that change one thing eac
 a cause or test a fix: MXFP4 on P only and on V only, V's scale rounded up (rceil),
 stochastic rounding of V, no row correction, P against the running maximum (no anchor),
 NVFP4 and UE5M3-scaled P/V, MatX's leakage fix, E4M3 QKV projections as the published runs
-had them, gradient clipping, both routes' forwards with the exact gradient of themselves
-in place of the FP8 backward, and both routes with the loss scaled by 2^13 for the backward
-(gradients unscaled before use), which keeps the dO that E5M2(4 dO) flushes at this model's
-size.
+had them, gradient clipping, QK-norm, both routes' forwards with the exact gradient of
+themselves in place of the FP8 backward, MXFP4 P/V's forward with bf16 attention's gradient
+straight through (``mxfp4pv_bf16_grad``: the forward's error without the quantized backward),
+and the routes and variants with the loss scaled by 2^13 for the backward (gradients unscaled
+before use), which keeps the dO that E5M2(4 dO) flushes at this model's size.
 
 The divergence rule, fixed before any run and computed by the code (`_pv_divergence.report`):
 a run diverges at its first non-finite training loss or gradient norm (the norm added after
@@ -49,9 +50,9 @@ the CPU, NCCL on GPUs; `data_parallel`), the global batch split over them; with
 ``--set data_parallel=false`` the cells spread over the ranks instead (several small runs
 sharing one GPU). ``--preset smoke`` runs on a 2-core CPU in about 30 seconds; ``full`` is
 sized for one H200 (bf16, SDPA, FP8 and MXFP4 P/V and thirteen variants, two seeds, each
-cell a resumable piece; measured with its first nine variants: 12.7 minutes in one process,
-in two calls of 4.0 and 8.7 minutes, 2026-12-01, results/pv-divergence-full;
-_pv_divergence/GPU_PLAN.md has the commands); ``long`` scales the same runs up. On a
+cell a resumable piece; measured as it is: 16.6 minutes in one process, in calls of 7.2 and
+9.4 minutes, 2026-12-01, results/pv-divergence-full-4; _pv_divergence/GPU_PLAN.md has the
+commands); ``long`` scales the same runs up. On a
 GPU the runs use torch's deterministic algorithms (``deterministic``, on by default;
 `PVDivergenceConfig`).
 
