@@ -167,15 +167,19 @@ def _forward_step(ops: Operands, sm: OnlineSoftmax, block: TileBlock, ps: Pass) 
     consumed = ps.recipe.row_sum is RowSum.QUANTIZED_P
     if diagonal is not None or not consumed:  # unquantized P, in P^'s shifted units
         p_low = p if down == 1.0 else _shifted(p, s, m_j, ps.recipe.p_scale_shift)
-    if diagonal is not None and down != 1.0:  # P^ holds P itself on the diagonal blocks
+    leak_p, leak_v = ps.recipe.leakage_fix_p, ps.recipe.leakage_fix_v
+    if diagonal is not None and leak_p and down != 1.0:  # P^ holds P itself on the diagonal
         stored = torch.where(diagonal, p_low, stored)
     weights_pv = stored if keep is None else stored * keep
     if diagonal is None:
         pv = times_key(weights_pv, v_j)  # (B, Hkv, G, n, g, bm, Dv)
-    else:  # the leakage fix: P's diagonal blocks times V's, unquantized
-        exact_p = p_low if keep is None else p_low * keep
+    else:  # the leakage fix: P's diagonal blocks times V's, unquantized (or one of them)
+        p_diag = weights_pv
+        if leak_p:
+            p_diag = p_low if keep is None else p_low * keep
+        v_diag = ops.v_plain[:, :, block.j0 : block.j1] if leak_v else v_j
         pv = times_key(weights_pv.masked_fill(diagonal, 0), v_j)
-        pv += times_key(exact_p.masked_fill(~diagonal, 0), ops.v_plain[:, :, block.j0 : block.j1])
+        pv += times_key(p_diag.masked_fill(~diagonal, 0), v_diag)
     zero_skipped(pv, skipped)
     row = stored if consumed else p_low
     rescale_add(sm.l_i, weights, row.sum(-1))
@@ -204,17 +208,19 @@ def _shifted(p, s, m_j, shift: int) -> torch.Tensor:
 
 def _forward_p(p, s, m_j, ps: Pass, block: TileBlock):
     """The P^ the forward's P V consumes, and the leakage fix's diagonal mask (or None):
-    the recipe's quantizer of P, with P's diagonal blocks left unquantized by the fix."""
+    the recipe's quantizer of P, with P's diagonal blocks left unquantized by the fix (unless
+    it keeps only V there, `LeakageParts.V`)."""
     p_hat = quantize_p(p, s, m_j, ps, (block.i0, block.j0))
     diagonal = _diagonal_blocks(block, ps.cfg, s.device)
-    if diagonal is not None:
+    if diagonal is not None and ps.recipe.leakage_fix_p:
         p_hat = Quantized(torch.where(diagonal, p, p_hat.values), p_hat.counts)
     return p_hat, diagonal
 
 
 def _diagonal_blocks(block: TileBlock, cfg: CallConfig, device) -> torch.Tensor | None:
     """(n, g, bm, bn) bool: the entries whose query and key fall in the same block of V's
-    (along the sequence), where the leakage fix keeps P and V unquantized; None without it."""
+    (along the sequence), where the leakage fix keeps P and V (or one of them,
+    `leakage_fix_parts`) unquantized; None without it."""
     if not (cfg.recipe.leakage_fix and cfg.causal):
         return None
     t, size = block.t, cfg.recipe.leakage_block
@@ -281,7 +287,7 @@ def _forward(q, k, v, ps: Pass, rec):
     q_hat, k_hat, v_hat = (
         quantize_field(x, f, ps) for x, f in ((q_src, "q"), (kw, "k"), (vw, "v"))
     )
-    v_plain = t.k_tiles(vw) if recipe.leakage_fix and ps.cfg.causal else None
+    v_plain = t.k_tiles(vw) if recipe.leakage_fix_v and ps.cfg.causal else None
     ops = Operands(
         t.q_tiles(q_hat.values), t.k_tiles(k_hat.values), t.k_tiles(v_hat.values), q_mean,
         t.k_tiles(kw), v_plain,

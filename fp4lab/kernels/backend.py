@@ -90,6 +90,7 @@ from fp4lab.recipes import (
     DeltaSource,
     DsP,
     KVOrder,
+    LeakageParts,
     PQuant,
     Product,
     RowReference,
@@ -128,6 +129,11 @@ def check_recipe(recipe: AttentionRecipe) -> None:
         )
     if recipe.block_axis("p") != -1:
         missing.append("p blocked along the queries (block_axes; the kernel blocks P along keys)")
+    if recipe.leakage_fix and recipe.leakage_fix_parts is not LeakageParts.P_AND_V:
+        missing.append(
+            f"leakage_fix_parts={recipe.leakage_fix_parts.value!r} (the kernels leave P and V "
+            "unquantized together on the diagonal blocks)"
+        )
     missing += _untransformed_gaps(recipe, ("q", "k", "v"), tiles_2d=True)
     if missing:
         raise NotImplementedError(

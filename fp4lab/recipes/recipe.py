@@ -34,6 +34,7 @@ __all__ = [
     "RowReference",
     "RowSum",
     "KVOrder",
+    "LeakageParts",
     "SmoothK",
     "TensorScope",
     "BackwardMode",
@@ -126,6 +127,26 @@ class KVOrder(enum.Enum):
     """Last to first (FlashAttention-3 `hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp`:
     ``n_block = n_block_max - 1 ... --n_block``; SageAttention3 `mainloop_tma_ws.h`). Under
     a causal mask the diagonal tile comes first, and an attention sink at key 0 last."""
+
+
+class LeakageParts(enum.Enum):
+    """Which of P and V the future-leakage fix (`AttentionRecipe.leakage_fix`) leaves
+    unquantized on the diagonal blocks (each query with the keys of its own block of V along
+    the sequence)."""
+
+    P_AND_V = "p_and_v"
+    """Both (MatX's fix, "using unquantized P and V when multiplying the i-th tile of P with
+    the i-th block of V")."""
+
+    P = "p"
+    """P alone: the diagonal blocks' unquantized P times V^. V's block scale still spans later
+    tokens, so the leak stays; what changes is P on each query's most recent keys (a
+    diagnostic half of the fix, not a published method)."""
+
+    V = "v"
+    """V alone: the diagonal blocks' P^ times the unquantized V, which removes the leak (no
+    later token sets a scale an earlier output reads) and keeps P quantized (a diagnostic
+    half of the fix, not a published method)."""
 
 
 class SmoothK(enum.Enum):
@@ -301,6 +322,9 @@ class AttentionRecipe:
             V's blocks from unquantized P and V (the blocks of V along the sequence), so
             that no later token moves an earlier output through a shared block scale
             (MatX, "Future leakage in block-quantized attention", 2026).
+        leakage_fix_parts: which of P and V the fix leaves unquantized there
+            (`LeakageParts`; both by default, as MatX's fix); another value needs
+            `leakage_fix`.
         backward: how the backward's operands are formed (`BackwardMode`).
         backward_p: which scores the backward rebuilds P from (`BackwardP`).
         backward_v: which V the backward's dP quantizes (`BackwardV`).
@@ -349,6 +373,7 @@ class AttentionRecipe:
     incoherent_seed: int = 0
     tensor_scope: TensorScope = TensorScope.TENSOR
     leakage_fix: bool = False
+    leakage_fix_parts: LeakageParts = LeakageParts.P_AND_V
     backward: BackwardMode = BackwardMode.FLASH
     backward_p: BackwardP = BackwardP.QUANTIZED_QK
     backward_v: BackwardV = BackwardV.INPUT
@@ -485,6 +510,11 @@ class AttentionRecipe:
 
     def _check_leakage_fix(self) -> None:
         if not self.leakage_fix:
+            if self.leakage_fix_parts is not LeakageParts.P_AND_V:
+                raise ValueError(
+                    f"leakage_fix_parts={self.leakage_fix_parts.value!r} chooses what the "
+                    "leakage fix leaves unquantized: it needs leakage_fix=True"
+                )
             return
         v = self.v
         if not isinstance(v, QuantSpec) or v.block is None:
@@ -524,6 +554,16 @@ class AttentionRecipe:
         return dict(self.block_axes).get(field, operand(field).axis)
 
     @property
+    def leakage_fix_p(self) -> bool:
+        """Whether the leakage fix leaves P unquantized on the diagonal blocks."""
+        return self.leakage_fix and self.leakage_fix_parts is not LeakageParts.V
+
+    @property
+    def leakage_fix_v(self) -> bool:
+        """Whether the leakage fix leaves V unquantized on the diagonal blocks."""
+        return self.leakage_fix and self.leakage_fix_parts is not LeakageParts.P
+
+    @property
     def leakage_block(self) -> int:
         """The number of keys one of V's blocks spans along the sequence (for `leakage_fix`)."""
         return self.v.block[0]
@@ -558,6 +598,7 @@ _ENUM_FIELDS = {
     "kv_order": KVOrder,
     "smooth_k": SmoothK,
     "tensor_scope": TensorScope,
+    "leakage_fix_parts": LeakageParts,
     "backward": BackwardMode,
     "backward_p": BackwardP,
     "backward_v": BackwardV,

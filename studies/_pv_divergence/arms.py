@@ -136,6 +136,14 @@ ARMS: dict[str, Arm] = {
         "the D64 MXFP4 P/V route without its stored-scale shift"),
     "mxfp4pv_leakfix": Arm(FA4FP4_CAUSAL_MXFP4PV_FIXED,
                            "MXFP4 P/V with MatX's future-leakage fix on the diagonal blocks"),
+    "mxfp4pv_leakfix_p": Arm(
+        _variant(FA4FP4_CAUSAL_MXFP4PV_FIXED, "mxfp4pv_leakfix_p", leakage_fix_parts="p"),
+        "MXFP4 P/V with the leakage fix's P half: unquantized P times V^ on the diagonal "
+        "blocks (the leak stays; P on each query's own 32-key block is exact)"),
+    "mxfp4pv_leakfix_v": Arm(
+        _variant(FA4FP4_CAUSAL_MXFP4PV_FIXED, "mxfp4pv_leakfix_v", leakage_fix_parts="v"),
+        "MXFP4 P/V with the leakage fix's V half: P^ times unquantized V on the diagonal "
+        "blocks (the leak removed; P stays quantized)"),
     "mxfp4pv_e4m3qkv": Arm(_MX, "MXFP4 P/V with E4M3 QKV projections (as the published runs)",
                            qkv_format=FP8_E4M3_TENSOR.name),
     "fp8pv_e4m3qkv": Arm(FA4FP4_CAUSAL, "FP8 P/V with E4M3 QKV projections (as the published "
@@ -165,7 +173,8 @@ ARMS: dict[str, Arm] = {
 # full run the unscaled v509 backward flushed 85-98% of dO, and fp8pv_loss_scaled trained as
 # bf16 did while fp8pv drifted in 1 of 2 seeds (studies/README.md)
 _SCALED = ("mxfp4_p_only", "mxfp4_v_only", "mxfp4pv_rceil_v", "mxfp4pv_sr_v", "nvfp4pv",
-           "ue5m3pv", "mxfp4pv_leakfix", "mxfp4pv_qknorm", "mxfp4pv_running_max")
+           "ue5m3pv", "mxfp4pv_leakfix", "mxfp4pv_qknorm", "mxfp4pv_running_max",
+           "mxfp4pv_leakfix_p", "mxfp4pv_leakfix_v")
 for _name in _SCALED:
     _arm = ARMS[_name]
     ARMS[f"{_name}_loss_scaled"] = dataclasses.replace(
@@ -198,6 +207,10 @@ CAUSES = (
     Cause("4-bit P/V at all (NVFP4, finer scales)", "nvfp4pv", "fp8pv", "cause"),
     Cause("the scale format's range (UE5M3)", "ue5m3pv", "fp8pv", "cause"),
     Cause("future leakage through V's sequence blocks", "mxfp4pv_leakfix", "mxfp4pv", "fix"),
+    Cause("P on each query's own 32-key block (the leakage fix's P half; the leak kept)",
+          "mxfp4pv_leakfix_p", "mxfp4pv", "fix"),
+    Cause("future leakage alone (the leakage fix's V half; P kept quantized)",
+          "mxfp4pv_leakfix_v", "mxfp4pv", "fix"),
     Cause("E4M3 QKV projections", "mxfp4pv_e4m3qkv", "mxfp4pv", "cause"),
     Cause("unclipped gradient spikes", "mxfp4pv_clip", "mxfp4pv", "fix"),
     Cause("the v509 FP8 backward (fixed-scale E5M2(4 dO), E4M3 P, dS) on MXFP4 P/V",

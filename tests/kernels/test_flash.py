@@ -341,6 +341,17 @@ def test_p_blocked_along_the_queries_is_refused():
         fp4lab.attention(q, k, v, recipe, backend="triton")
 
 
+@pytest.mark.parametrize("parts", ["p", "v"])
+def test_half_of_the_leakage_fix_is_refused(parts):
+    # the kernels leave P and V unquantized together on the diagonal blocks; a recipe asking
+    # for one of them runs on the simulation only
+    fixed = resolve_recipe("fa4fp4_causal_mxfp4pv_fixed")
+    recipe = dataclasses.replace(fixed, name="half", leakage_fix_parts=parts)
+    q, k, v = inputs(1, 1, 1, 128, 128, 64, seed=4)
+    with pytest.raises(NotImplementedError, match=f"leakage_fix_parts='{parts}'"):
+        fp4lab.attention(q, k, v, recipe, backend="triton", causal=True)
+
+
 @pytest.mark.parametrize(
     "recipe, tiles, words",
     [("mxfp4", dict(block_m=16, block_n=16), "block_n=16 is not a multiple of 32"),

@@ -486,7 +486,11 @@ def test_leakage_fix_keeps_a_later_token_out_of_an_earlier_output():
     k2, v2 = k.clone(), v.clone()
     k2[0, 0, 50] = rand(64, seed=18)
     v2[0, 0, 50] *= 40.0
-    for recipe, leaks in ((FA4FP4_CAUSAL_MXFP4PV, True), (FA4FP4_CAUSAL_MXFP4PV_FIXED, False)):
+    halves = [(dataclasses.replace(FA4FP4_CAUSAL_MXFP4PV_FIXED, name=f"half_{parts}",
+                                   leakage_fix_parts=parts), leaks)
+              for parts, leaks in (("p", True), ("v", False))]  # only V's half removes it
+    for recipe, leaks in ((FA4FP4_CAUSAL_MXFP4PV, True), (FA4FP4_CAUSAL_MXFP4PV_FIXED, False),
+                          *halves):
         before = attention(q, k, v, recipe, causal=True)
         after = attention(q, k2, v2, recipe, causal=True)
         assert torch.equal(before[..., :32, :], after[..., :32, :])  # V's earlier block
@@ -496,22 +500,33 @@ def test_leakage_fix_keeps_a_later_token_out_of_an_earlier_output():
     assert torch.equal(attention(q, k, v, FA4FP4_CAUSAL_MXFP4PV_FIXED, causal=False), plain)
 
 
-def test_leakage_fix_computes_only_the_diagonal_blocks_unquantized():
+@pytest.mark.parametrize("parts", ["p_and_v", "p", "v"])
+def test_leakage_fix_computes_only_the_diagonal_blocks_unquantized(parts):
     # O_i = (sum over earlier blocks of P^ V^ + sum over i's block of P V) / (the same sums
     # of P^ and P), P = exp(S - m) with the anchor m: the off-diagonal products are the
-    # unfixed route's.
-    recipe, scale = FA4FP4_CAUSAL_MXFP4PV_FIXED, 0.1
+    # unfixed route's. Half the fix: P with V^ (parts "p") or P^ with V ("v") on i's block.
+    recipe = dataclasses.replace(FA4FP4_CAUSAL_MXFP4PV_FIXED, leakage_fix_parts=parts)
+    scale = 0.1
     q, k, v = qkv(1, 2, 2, 128, 128, 64, seed=19)
     s = scale * fake_quantize(q, NVFP4_1LEVEL) @ fake_quantize(k, NVFP4_1LEVEL).transpose(-1, -2)
     s = s.masked_fill(~causal_mask(128, 128), -math.inf)
     m = s[..., :32].amax(-1, keepdim=True) + 64 * math.log(2) * scale
     p_hat, p = dense_direct_p(s, m, recipe, 128), torch.exp(s - m)
     diagonal = (torch.arange(128).view(-1, 1) // 32) == (torch.arange(128).view(1, -1) // 32)
-    weights = torch.where(diagonal, p, p_hat)
-    values = torch.where(diagonal, 0.0, p_hat) @ fake_quantize(v, MXFP4_ALPHA_MSE, axis=-2)
-    values = values + torch.where(diagonal, p, 0.0) @ v
+    v_hat = fake_quantize(v, MXFP4_ALPHA_MSE, axis=-2)
+    p_diag = p_hat if parts == "v" else p
+    v_diag = v_hat if parts == "p" else v
+    weights = torch.where(diagonal, p_diag, p_hat)
+    values = torch.where(diagonal, 0.0, p_hat) @ v_hat + torch.where(diagonal, p_diag, 0.0) @ v_diag
     out = attention(q, k, v, recipe, causal=True, scale=scale)
     close(out, values / weights.sum(-1, keepdim=True), 1e-12)
+
+
+def test_half_a_leakage_fix_needs_the_fix():
+    with pytest.raises(ValueError, match="leakage_fix_parts='v' .* needs leakage_fix=True"):
+        dataclasses.replace(FA4FP4_CAUSAL_MXFP4PV, leakage_fix_parts="v")
+    with pytest.raises(ValueError, match="leakage_fix_parts"):
+        dataclasses.replace(FA4FP4_CAUSAL_MXFP4PV_FIXED, leakage_fix_parts="q")
 
 
 # -- Direct-P's fast policy ------------------------------------------------------------------------
