@@ -59,9 +59,26 @@ def _first_sustained(above: pd.Series, patience: int):
     return int(hit[0]) if len(hit) else None
 
 
+SATURATION_LOG2 = 128.0  # log2 P against a fixed row reference where an E8M0 P^ saturates
+
+
+def _saturation_step(run: pd.DataFrame):
+    """The first step whose largest log2 P against the recipe's fixed row reference (the
+    per-step `p_log2_peak_<layer>`, the maximum over layers) reached `SATURATION_LOG2`: past
+    it an MXFP4 P^ block needs a scale above E8M0's 2^127 and saturates. None where it never
+    did, or where the run logged no peak (a running reference, or metrics from before the
+    per-step columns)."""
+    peaks = [c for c in run.columns if c.startswith("p_log2_peak_")]
+    if not peaks:
+        return None
+    hit = run.loc[run[peaks].max(axis=1) >= SATURATION_LOG2, "step"]
+    return int(hit.iloc[0]) if len(hit) else None
+
+
 def divergence_table(config, metrics: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     """One row per run: its divergence step under the rule, the first step its rolling gap
-    passed `split_margin`, its first non-finite loss or gradient norm, and its final
+    passed `split_margin`, its first non-finite loss or gradient norm, the first step its P
+    reached E8M0's top against a fixed row reference (`_saturation_step`), and its final
     numbers."""
     rows = []
     tokens_per_step = config.batch * config.seq_len
@@ -84,6 +101,7 @@ def divergence_table(config, metrics: pd.DataFrame, runs: pd.DataFrame) -> pd.Da
                 "divergence_step": step,
                 "divergence_tokens": None if step is None else (step + 1) * tokens_per_step,
                 "split_step": int(split[0]) if len(split) else None,
+                "saturation_step": _saturation_step(run),
                 "nonfinite_step": first_bad, "max_rolling_gap": float(gap.max()),
                 "steps_done": int(run["step"].max()) + 1,
                 "max_grad_norm": float(run["grad_norm"].max()),
@@ -481,9 +499,14 @@ def report(config, metrics: pd.DataFrame, tables: dict):
     text += ("## Divergence\n\n" + markdown_table(table, {
         "task": "task", "seed": "seed", "arm": "arm", "diverged": "diverged",
         "divergence_step": "step", "divergence_tokens": "tokens", "split_step": "split step",
-        "nonfinite_step": "non-finite step", "max_rolling_gap": "max rolling gap",
-        "max_grad_norm": "max grad norm", "val_loss": "final val. loss",
-        "val_gap": "val. gap", "exact_minus_trained": "exact attention - own"}) + "\n")
+        "saturation_step": "P saturates", "nonfinite_step": "non-finite step",
+        "max_rolling_gap": "max rolling gap", "max_grad_norm": "max grad norm",
+        "val_loss": "final val. loss", "val_gap": "val. gap",
+        "exact_minus_trained": "exact attention - own"}) + "\n"
+        + "\"P saturates\": the first step at which the step's own batch put log2 P "
+        f"{SATURATION_LOG2:g} above the recipe's fixed row reference in some layer, where an "
+        "MXFP4 P^ block needs a scale past E8M0's 2^127 (n/a: never, or a running "
+        "reference).\n\n")
     text += _inside(table, probes, evals, metrics)
     autopsy = tables.get("autopsy")
     text += _autopsy(autopsy if autopsy is not None and len(autopsy) else None, table)

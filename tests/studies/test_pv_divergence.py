@@ -210,6 +210,20 @@ def test_divergence_rule_on_made_up_curves():
     assert not table.loc["bf16", "diverged"]
 
 
+def test_the_saturation_step_is_the_first_step_p_reaches_e8m0s_top_in_any_layer():
+    """The per-step log2 P peak reaching 128 in layer 1 at step 6 (127.9 at step 4 does not
+    count); a run whose peaks never reach it, or that logged none, has no saturation step."""
+    report = PARTS["report"]
+    steps = np.arange(10)
+    run = pd.DataFrame({"step": steps, "p_log2_peak_0": np.full(10, 50.0),
+                        "p_log2_peak_1": np.where(steps == 4, 127.9, 100.0 + 5.0 * steps)})
+    assert report._saturation_step(run) == 6
+    assert report._saturation_step(run.assign(p_log2_peak_1=120.0)) is None
+    assert report._saturation_step(run.drop(columns=["p_log2_peak_0", "p_log2_peak_1"])) is None
+    nan = run.assign(p_log2_peak_0=np.nan, p_log2_peak_1=np.nan)  # a running reference
+    assert report._saturation_step(nan) is None
+
+
 @pytest.mark.parametrize("mxfp4, backend, words", [
     (300.0, "triton", "trains at 0.3x the steady tokens/s of bf16 SDPA in the same run (mean "
      "over seeds); the goal, 0.4x, is not met."),
