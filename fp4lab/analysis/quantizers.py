@@ -32,7 +32,8 @@ __all__ = ["Quantized", "quantize_operand", "quantize_field", "stochastic"]
 class Quantized:
     """An operand after quantization and, when asked, its trace counts.
 
-    `counts` holds "clipped" (elements past the block's largest value), "blocks" (blocks
+    `counts` holds "clipped" (elements past the block's largest value, in blocks whose
+    stored scale is nonzero), "blocks" (blocks
     holding a nonzero), "scale_underflow" and "scale_overflow" (such blocks whose scale left
     its format's range): counts per tile for a per-tile operand, boolean tensors of the
     operand's shape for a whole tensor (a block marked at its first element); entries are
@@ -168,5 +169,6 @@ def _block_quantize(
         spec, axis = dataclasses.replace(spec, block=tuple(x.shape[-2:])), -1
     batch_dims = (x.ndim - 2 if spec.tensor_scale else 0) if per_tile else scope_dims
     b = quantize_blocks(x, spec, axis=axis, batch_dims=batch_dims, noise=noise, generator=generator)
-    found = block_counts(b.scaled, b.amax, b.decode, spec, b.layout, per_tile) if counts else None
+    found = (block_counts(b.scaled, b.amax, b.scales, b.decode, spec, b.layout, per_tile)
+             if counts else None)
     return b.dequantize(x.dtype), found

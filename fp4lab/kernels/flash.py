@@ -690,7 +690,9 @@ def _p_counts(
             S_MAX, E_LO, E_HI, RULE, ARITH, TENSOR, EMAX_E,
         )  # fmt: skip
         scaled = _scaled_blocks(xb, factor, divisor, RULE, ARITH, S_UNIT, SQ_LO)
-        clipped = tl.sum(tl.sum(tl.sum((scaled > E_MAX).to(tl.float32), 2), 1), 0)
+        # clipped where the block stores a nonzero scale (a zero scale stores zeros: flushed)
+        past = (scaled > E_MAX) & (store > 0.0)[:, :, None]
+        clipped = tl.sum(tl.sum(tl.sum(past.to(tl.float32), 2), 1), 0)
         ideal = tl.div_rn(amax, tl.zeros_like(amax) + E_MAX * decode)
         nonzero = amax > 0.0
         blocks = tl.sum(tl.sum(nonzero.to(tl.float32), 1), 0)

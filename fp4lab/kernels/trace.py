@@ -387,6 +387,7 @@ def _quantized(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int
     bq = quantize_blocks(view, spec, axis=recipe.block_axis(field), batch_dims=batch_dims)
     back = lambda t: t.reshape(b, h, -1, x.shape[-1])[:, :, :n]  # noqa: E731  (B, H, S, E)
     values = back(bq.dequantize(torch.float32))
-    counts = block_counts(bq.scaled, bq.amax, bq.decode, spec, bq.layout, per_tile=False)
+    counts = block_counts(bq.scaled, bq.amax, bq.scales, bq.decode, spec, bq.layout,
+                          per_tile=False)
     counts = {k: back(c) if c is not None else None for k, c in counts.items()}
     return SimpleNamespace(values=values, counts=counts)

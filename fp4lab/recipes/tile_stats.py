@@ -127,16 +127,21 @@ def whole_stats(x, quant, tiler) -> dict:
     return operand_stats(tiler(x), tiler(quant.values), counts)
 
 
-def block_counts(scaled, amax, decode, spec: QuantSpec, layout, per_tile: bool) -> dict:
+def block_counts(scaled, amax, scales, decode, spec: QuantSpec, layout, per_tile: bool) -> dict:
     """The trace's counts of a block quantization (`fp4lab.formats.quantize_blocks`'s scaled
-    elements, blocks before rounding, overwritten here; its block amax and decode scale):
-    "clipped" elements past the block's largest value, "blocks" holding a nonzero,
+    elements, blocks before rounding, overwritten here; its block amax, stored block scales
+    and decode scale): "clipped" elements past the block's largest value in blocks whose
+    stored scale is nonzero (a block whose scale rounds to zero stores zeros, which the trace
+    counts as flushed: how large its scaled elements look depends only on the format's
+    arithmetic, 0 for a quotient by the zero scale, float32's largest for a clamped
+    reciprocal), "blocks" holding a nonzero,
     "scale_underflow" and "scale_overflow" such blocks whose ideal scale left the scale
     format's range beyond float32 rounding. Per tile (the last two block dims) with
     `per_tile`, else boolean tensors of the operand's shape (a block marked at its first
     element, through `layout`)."""
     d = decode if decode is not None else torch.ones((), dtype=torch.float32)
     clipped = scaled.abs_().sub_(spec.element.max).clamp_(min=0).sign_()  # |x| > M_e s d: saturated
+    clipped.mul_((scales > 0).unsqueeze(-1))  # only where the block stores a nonzero scale
     ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
     blocks = {
         "blocks": amax > 0,

@@ -105,7 +105,8 @@ COLUMNS = (
         "fraction of nonzeros clipped",
         "fraction of nonzero elements whose magnitude exceeds the largest value representable "
         "in their block (element max x block scale x tensor scale), so that saturation, not "
-        "rounding, set x^",
+        "rounding, set x^; a block whose stored scale is zero stores zeros, which count as "
+        "flushed, not clipped",
     ),
     Column(
         "scale_underflow",

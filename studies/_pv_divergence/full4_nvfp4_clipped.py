@@ -4,8 +4,10 @@ recipe fp8pv_nvfp4pv) and UE5M3 P 0.011: a check for FULL4_MECHANISMS.md.
 1. One 1 x 32 tile, a block of 192s and a block of 1e-5s, through `quantize_blocks` and the
    trace's `block_counts`: the second block's scale rounds to 0 under both specs and its x^ is
    0 (flushed); under NVFP4's TE_ENCODE arithmetic its scaled elements are x * FLT_MAX
-   (the multiplier min(1 / (s d), FLT_MAX)), so block_counts counts all 16 as clipped; under
-   UE5M3's EXACT arithmetic they are x / inf = 0 and none is.
+   (the multiplier min(1 / (s d), FLT_MAX)), so block_counts counted all 16 as clipped; under
+   UE5M3's EXACT arithmetic they are x / inf = 0 and none is. (Fixed since: block_counts now
+   counts clipping only in blocks with a nonzero stored scale, so part 1 prints 0 for both;
+   part 2's split is computed here directly, with the old rule, as the report had it.)
 2. The saved nvfp4pv_loss_scaled layer-3 inputs (seed 1) through both recipes with a Trace
    (the report's statistic), then P's tiles as the quantizer saw them (captured from
    `fp4lab.analysis.quantizers._block_quantize`), split into elements of zero-scale blocks and
@@ -35,7 +37,8 @@ def one_tile() -> None:
     x = torch.tensor([[192.0] * 16 + [1e-5] * 16])
     for spec in (NVFP4, NVFP4_UE5M3):
         b = quantize_blocks(x, spec, axis=-1, batch_dims=x.ndim - 2)
-        c = block_counts(b.scaled.clone(), b.amax, b.decode, spec, b.layout, per_tile=True)
+        c = block_counts(b.scaled.clone(), b.amax, b.scales, b.decode, spec, b.layout,
+                         per_tile=True)
         print(f"{spec.name} ({spec.arithmetic.value}): block scales {b.scales.tolist()}, "
               f"tiny block's scaled element {float(b.scaled[..., 1, 0]):.3g}, its x^ "
               f"{b.dequantize(torch.float32)[0, 16].item()}, clipped {float(c['clipped']):g} "
@@ -77,7 +80,7 @@ def saved(path: Path) -> None:
             b = quantize_blocks(x, spec, axis=-1, batch_dims=x.ndim - 2)
             xb = b.layout.to_blocks(x)
             nz = xb != 0
-            counted = (b.scaled.abs() > spec.element.max) & nz  # as block_counts counts
+            counted = (b.scaled.abs() > spec.element.max) & nz  # as block_counts did
             zero = (b.scales == 0).unsqueeze(-1) & nz
             d = b.decode if b.decode is not None else torch.ones(())
             top = (spec.element.max * b.scales * d).unsqueeze(-1)

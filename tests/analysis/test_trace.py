@@ -170,6 +170,27 @@ def test_clipped_counts_the_saturation_of_ocp_floor_scales():
     assert row["b_clipped"] == 0
 
 
+@pytest.mark.parametrize("spec", ["nvfp4", "nvfp4_ue5m3"])
+def test_a_block_whose_scale_rounds_to_zero_is_flushed_not_clipped(spec):
+    # a tensor-scaled format whose E4M3 (or UE5M3) block scale of the small rows rounds to 0:
+    # those blocks store zeros (flushed), however large their scaled elements look in the
+    # format's arithmetic (NVFP4's clamped reciprocal makes them float32's largest); the
+    # large rows' blocks keep their own saturation count
+    q = rand(1, 1, 16, 32, seed=5)
+    q[..., 8:, :] *= 2.0**-40  # their block amax ~2^-40 of the tensor's: scale 0 in E4M3
+    k, v = rand(1, 1, 16, 32, seed=6), rand(1, 1, 16, 32, seed=7)
+    frame, _ = traced(q, k, v, AttentionRecipe(name="q_t", q=spec), block_m=16, block_n=32)
+    row = rows(frame, "qk").iloc[0]
+    q_hat = fake_quantize(q, spec)
+    assert bool((q_hat[..., 8:, :] == 0).all())  # the small rows are stored as zeros
+    assert row["a_flushed"] >= 0.5
+    big = fake_quantize(q[..., :8, :], spec)  # the large rows alone: the same blocks
+    alone, _ = traced(q[..., :8, :], k, v, AttentionRecipe(name="q_t", q=spec), block_m=8,
+                      block_n=32)
+    assert torch.equal(q_hat[..., :8, :], big)
+    assert row["a_clipped"] == pytest.approx(rows(alone, "qk").iloc[0]["a_clipped"] / 2)
+
+
 @pytest.mark.parametrize(
     "magnitude, column", [(1e-5, "a_scale_underflow"), (1e4, "a_scale_overflow")]
 )

@@ -148,6 +148,22 @@ def test_the_kernel_trace_is_the_simulations(recipe, causal):
     assert set(trace.calls[0].meta["not_computed"]) == set(NOT_COMPUTED)
 
 
+def test_p_blocks_whose_scale_rounds_to_zero_count_as_flushed_in_both_paths():
+    # NVFP4 P/V on the FP8 route (P up to 256 under the lazy maximum, its tensor scale per
+    # tile): with scores spread over many decades most of P's blocks get an E4M3 scale of 0
+    # and store zeros. Both paths count them flushed and not clipped (NVFP4's clamped
+    # reciprocal would make every element of such a block look saturated)
+    fp8 = resolve_recipe("fa4fp4_causal")
+    recipe = dataclasses.replace(fp8, name="fp8_route_nvfp4pv", p="nvfp4", v="nvfp4")
+    q, k, v = inputs(1, 2, 2, 64, 64, 32, seed=21)
+    q, k = q * 4, k * 4  # logits of tens to hundreds
+    ref, tri, trace = traces(q, k, v, recipe, causal=True, block_m=32, block_n=32)
+    compare(ref, tri, trace.calls[0].meta)
+    pv = ref[ref["product"] == "pv"]
+    assert pv["a_scale_underflow"].mean() > 0.2 and pv["a_flushed"].mean() > 0.2
+    assert pv["a_clipped"].max() < 0.05
+
+
 @pytest.mark.parametrize("recipe", ["nvfp4", "fa3_fp8"])
 def test_a_forward_only_trace_has_the_forward_rows(recipe):
     q, k, v = inputs(1, 2, 1, 64, 96, 32, seed=8)
