@@ -648,6 +648,7 @@ def _figures(config, metrics, table, probes, evals, records) -> dict[str, Figure
                                          strict=False)}
     for task, rows in metrics.groupby("task", sort=False):
         figures[f"curves_{task}"] = _curves(config, rows, colors, styles, table)
+        figures[f"runs_{task}"] = _run_panels(config, rows, styles, table)
         figures[f"probes_{task}"] = _probe_curves(probes[probes["task"] == task],
                                                   evals[evals["task"] == task], colors, styles)
     figures["published"] = _published_figure(config, table, evals, records)
@@ -681,6 +682,49 @@ def _curves(config, rows, colors, styles, table) -> Figure:
         axes[3].set_yscale("log")
     axes[-1].set_xlabel("training tokens")
     axes[0].legend(fontsize=6, ncol=4)
+    return fig
+
+
+def _run_panels(config, rows, styles, table) -> Figure:
+    """One panel per arm (the reference's aside): each seed's rolling loss gap to the
+    reference against the divergence margin, its divergence step (solid vertical) and the
+    step its P saturated (`_saturation_step`, dotted vertical), and on the right axis the
+    per-step largest log2 P against the fixed row reference (grey) with E8M0's top: the order
+    of saturation and divergence run by run, which the all-arms curves crowd out."""
+    arms = [a for a in dict.fromkeys(rows["arm"]) if a != REFERENCE_ARM]
+    ncols = min(4, max(len(arms), 1))
+    nrows = max(1, -(-len(arms) // ncols))
+    fig = Figure(figsize=(4 * ncols, 2.6 * nrows), layout="constrained")
+    axes = list(fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False).flat)
+    peaks = [c for c in rows.columns if c.startswith("p_log2_peak_")]
+    for ax, arm in zip(axes, arms, strict=False):
+        right = None
+        for seed, run in rows[rows["arm"] == arm].groupby("seed", sort=False):
+            reference = rows[(rows["arm"] == REFERENCE_ARM) & (rows["seed"] == seed)]
+            gap = rolling_gap(config, run, reference).reindex(run["step"]).values
+            style = styles[seed]
+            ax.plot(run["step"].values, gap, color="C0", linestyle=style, linewidth=1,
+                    label=f"seed {seed}")
+            row = table[(table["arm"] == arm) & (table["seed"] == seed)]
+            for column, line in (("divergence_step", "-"), ("saturation_step", ":")):
+                step = row[column].iloc[0] if len(row) and column in row else None
+                if step is not None and pd.notna(step):
+                    ax.axvline(step, color="C3", linestyle=line, linewidth=1)
+            if peaks and run[peaks].notna().any().any():
+                right = right or ax.twinx()
+                right.plot(run["step"].values, run[peaks].max(axis=1).values, color="0.6",
+                           linestyle=style, linewidth=0.7)
+        if right is not None:
+            right.axhline(SATURATION_LOG2, color="0.6", linewidth=0.6)
+            right.tick_params(labelsize=6)
+        ax.axhline(config.divergence_margin, color="black", linewidth=0.6)
+        ax.set_title(arm, fontsize=8)
+        ax.tick_params(labelsize=6)
+    for ax in axes[len(arms):]:
+        ax.set_visible(False)
+    fig.supxlabel("step (red: divergence, solid; P saturates, dotted)", fontsize=8)
+    fig.supylabel(f"rolling loss gap to {REFERENCE_ARM} (blue); grey, right: log2 P peak",
+                  fontsize=8)
     return fig
 
 

@@ -64,7 +64,7 @@ def test_smoke_writes_every_table_figure_and_section(smoke):
                  *(f"{t}.parquet" for t in TABLES)):
         assert (smoke / name).is_file(), name
     figures = {p.stem for p in (smoke / "figures").glob("*.png")}
-    assert figures == {f"{kind}_{task}" for kind in ("curves", "probes")
+    assert figures == {f"{kind}_{task}" for kind in ("curves", "runs", "probes")
                        for task in config.tasks} | {"published"}
     assert not (smoke / "scratch").exists()  # checkpoints deleted once the cells are stored
     report = (smoke / "report.md").read_text()
@@ -450,7 +450,10 @@ def test_report_of_a_made_up_divergence_shows_it_around_and_in_the_causes():
     assert "Around each divergence" in text and "Null result" not in text
     fix = derived["causes"].set_index("arm").loc["mxfp4pv_leakfix"]
     assert fix["evidence_for"].startswith("diverged in 0/2 seeds where mxfp4pv did in 2/2")
-    assert set(figures) == {"curves_text", "probes_text", "published"}
+    assert set(figures) == {"curves_text", "runs_text", "probes_text", "published"}
+    # one panel per arm but the reference, in the arms' order, each titled with its arm
+    panels = [ax.get_title() for ax in figures["runs_text"].axes if ax.get_title()]
+    assert panels == ["fp8pv", "mxfp4pv", "mxfp4pv_leakfix"]
 
 
 # -- the autopsy of a non-finite step ---------------------------------------------------------
