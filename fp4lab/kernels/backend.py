@@ -129,10 +129,13 @@ def check_recipe(recipe: AttentionRecipe) -> None:
         )
     if recipe.block_axis("p") != -1:
         missing.append("p blocked along the queries (block_axes; the kernel blocks P along keys)")
-    if recipe.leakage_fix and recipe.leakage_fix_parts is not LeakageParts.P_AND_V:
+    parts = recipe.leakage_fix_parts if recipe.leakage_fix else LeakageParts.P_AND_V
+    if parts is LeakageParts.V:
+        missing.append("leakage_fix_parts='v' (V's half of the fix runs on the simulation only)")
+    if parts is LeakageParts.P and recipe.p_quant is not PQuant.DIRECT:
         missing.append(
-            f"leakage_fix_parts={recipe.leakage_fix_parts.value!r} (the kernels leave P and V "
-            "unquantized together on the diagonal blocks)"
+            f"leakage_fix_parts='p' with p_quant={recipe.p_quant.value} (the kernels run P's "
+            "half of the fix on Direct-P only)"
         )
     missing += _untransformed_gaps(recipe, ("q", "k", "v"), tiles_2d=True)
     if missing:
@@ -722,6 +725,7 @@ def forward_options(recipe: AttentionRecipe, causal: bool, v: torch.Tensor) -> d
     return dict(
         leakage_block=recipe.leakage_block if leak else 0,
         v_plain=v.to(_store_dtype(v)).contiguous() if leak else None,
+        leakage_parts=recipe.leakage_fix_parts.value,
         reverse=recipe.kv_order is KVOrder.REVERSE,
         lazy_log2=lazy,
         row_sum_quantized=recipe.row_sum is RowSum.QUANTIZED_P,
@@ -747,6 +751,12 @@ def check_backward(
     if recipe.tensor_scope is TensorScope.TILE and recipe.backward is BackwardMode.FLASH:
         missing.append(
             "tensor_scope=tile with backward=flash (its own dO, V, K, Q quantized per tile)"
+        )
+    if (recipe.leakage_fix and recipe.leakage_fix_parts is not LeakageParts.P_AND_V
+            and recipe.backward is BackwardMode.FORWARD_EXACT):
+        missing.append(
+            f"leakage_fix_parts={recipe.leakage_fix_parts.value!r} in the exact gradient of "
+            "the forward (its replay of P^ takes the whole fix)"
         )
     if missing:
         raise NotImplementedError(

@@ -769,14 +769,15 @@ def _fwd_inner(
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, SR: tl.constexpr, SR_BITS: tl.constexpr,
     TRACE: tl.constexpr, N_STATS: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
-    P_SHIFT: tl.constexpr,
+    P_SHIFT: tl.constexpr, LEAK_PARTS: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, up (or down, REVERSE): the
     loop runs over a counter, since a loop's step must be positive on the GPU. MASKED
     tiles may hold keys past Sk, query rows past Sq or (causal) keys after a query; the others
     hold none, and skip the masks. LEAK > 0 (the leakage fix, causal, masked tiles only):
     where query and key share a block of LEAK positions, P and V enter unquantized (V from
-    vp_base, its product divided by V's factor, which the output takes at the end). PRIME:
+    vp_base, its product divided by V's factor, which the output takes at the end), or with
+    LEAK_PARTS 1 P alone (times V^). PRIME:
     also Attn-QAT's O' (acc_p, l_p): the unquantized P times V^, over the sum of that P.
     SAVE_M: each tile's row reference into mref_base (row-major, n_k tiles a row). SMOOTH_Q:
     the scores add the query tile's mean scores (ms_base, one fp32 per key, log2 units).
@@ -913,10 +914,14 @@ def _fwd_inner(
         pv = pv * factor
         if MODE == 6:  # P^ = q(r P) / r: the rows' products divided by their scales
             pv = tl.div_rn(pv, r[:, None])
+        if MASKED and LEAK > 0 and LEAK_PARTS == 1:  # P's half: the diagonal's P times V^
+            p_hi = p_exact.to(v.dtype)
+            p_lo = (p_exact - p_hi.to(tl.float32)).to(v.dtype)
+            pv = pv + tl.dot(p_lo, v, tl.dot(p_hi, v))
         if TILE_SCOPE:  # V's factor of this key tile (inv_vf is 1)
             vf = tl.load(vf_base + start_n // BLOCK_N)
             pv = pv * vf
-        if MASKED and LEAK > 0:  # P's diagonal blocks times unquantized V, 16 bits of P
+        if MASKED and LEAK > 0 and LEAK_PARTS == 0:  # the diagonal's P times unquantized V
             vp_ptrs = vp_base + offs_n[:, None] * stride_pn + offs_dv[None, :] * stride_pd
             vp = tl.load(vp_ptrs, mask=inside[:, None], other=0.0)
             p_hi = p_exact.to(vp.dtype)
@@ -986,6 +991,8 @@ def _attn_fwd(
     # instrumentation: per-tile statistics (`FORWARD_STATS`, `OUT_STATS`), off by default
     TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, UNDER: tl.constexpr = 0.0,
     OVER: tl.constexpr = 0.0, P_SHIFT: tl.constexpr = 0,
+    # the leakage fix's parts: 0 P and V unquantized on the diagonal blocks, 1 P alone
+    LEAK_PARTS: tl.constexpr = 0,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
     units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
@@ -1086,7 +1093,7 @@ def _attn_fwd(
         REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, TILE_SCOPE, HEAD_DIM, V_DIM, BLOCK_M,
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
-        EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT,
+        EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT, LEAK_PARTS,
     )
     acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base,
@@ -1096,7 +1103,7 @@ def _attn_fwd(
         not REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, TILE_SCOPE, HEAD_DIM, V_DIM, BLOCK_M,
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
-        EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT,
+        EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT, LEAK_PARTS,
     )
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
@@ -1128,6 +1135,9 @@ def _attn_fwd(
 
 
 _REFERENCES = {"running": 0, "anchor": 1, "zero": 2}
+# `LeakageParts` values the kernel runs: what the leakage fix leaves unquantized on the
+# diagonal blocks (V alone, "v", runs on the simulation only)
+_LEAK_PARTS = {"p_and_v": 0, "p": 1}
 
 
 def _check_factors(factors, B: int, H: int, Hk: int, n_q: int, n_k: int) -> bool:
@@ -1250,6 +1260,7 @@ def attention_forward(
     anchor_margin: float = 0.0,
     leakage_block: int = 0,
     v_plain=None,
+    leakage_parts: str = "p_and_v",
     lse_log2: bool = False,
     o_prime: torch.Tensor | None = None,
     m_ref: torch.Tensor | None = None,
@@ -1284,7 +1295,10 @@ def attention_forward(
     B / n batch elements, which then count their batch from 0 (`sr_key_table`). `trace`: the
     `TraceBuffers` an instrumented kernel (TRACE) fills, or None: the kernel compiled without
     instrumentation, the very one of an uninstrumented call. `out_dtype`: O's dtype (q's
-    when None; the instrumented path asks for fp32, the output before its cast)."""
+    when None; the instrumented path asks for fp32, the output before its cast).
+    `leakage_parts` (with `leakage_block`): what the leakage fix leaves unquantized on the
+    diagonal blocks, "p_and_v" (MatX's fix) or "p" (P times V^), `fp4lab.recipes.LeakageParts`
+    ("v" runs on the simulation only)."""
     if reference not in _REFERENCES:
         raise ValueError(f"reference must be one of {', '.join(_REFERENCES)}; got {reference!r}")
     if reference == "anchor" and not 0 < anchor_keys <= block_n:
@@ -1292,6 +1306,9 @@ def attention_forward(
             f"anchor_keys must be in [1, block_n={block_n}] (the anchor is read from key tile "
             f"0), got {anchor_keys}"
         )
+    if leakage_parts not in _LEAK_PARTS:
+        raise ValueError(f"leakage_parts must be one of {', '.join(_LEAK_PARTS)}; got "
+                         f"{leakage_parts!r}")
     if leakage_block and (v_plain is None or not causal or block_m % leakage_block):
         raise ValueError(
             f"leakage_block={leakage_block}: the leakage fix needs causal attention, v_plain "
@@ -1361,6 +1378,7 @@ def attention_forward(
         ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=o_prime is not None,
         SAVE_M=m_ref is not None, SR=pq.SR, SR_BITS=pq.SR_BITS,
         SMOOTH_Q=mean_scores is not None, TILE_SCOPE=tile_scope, P_SHIFT=pq.shift,
+        LEAK_PARTS=_LEAK_PARTS[leakage_parts],
         **instrument,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -341,15 +341,40 @@ def test_p_blocked_along_the_queries_is_refused():
         fp4lab.attention(q, k, v, recipe, backend="triton")
 
 
-@pytest.mark.parametrize("parts", ["p", "v"])
-def test_half_of_the_leakage_fix_is_refused(parts):
-    # the kernels leave P and V unquantized together on the diagonal blocks; a recipe asking
-    # for one of them runs on the simulation only
+def test_the_leakage_fix_with_p_alone_is_the_simulations():
+    # P alone unquantized on the diagonal blocks, times V^: the kernel follows the
+    # simulation, differs from the whole fix and from no fix, and keeps the leak (a later V
+    # moves an earlier output through V's shared block scale)
     fixed = resolve_recipe("fa4fp4_causal_mxfp4pv_fixed")
-    recipe = dataclasses.replace(fixed, name="half", leakage_fix_parts=parts)
-    q, k, v = inputs(1, 1, 1, 128, 128, 64, seed=4)
-    with pytest.raises(NotImplementedError, match=f"leakage_fix_parts='{parts}'"):
-        fp4lab.attention(q, k, v, recipe, backend="triton", causal=True)
+    recipe = dataclasses.replace(fixed, name="half_p", leakage_fix_parts="p")
+    q, k, v = inputs(1, 2, 2, 96, 96, 128, seed=8)  # the route's own head_dim (see the
+    tiles = dict(block_m=32, block_n=32, causal=True)  # studies' note on its anchor at 64)
+    got = fp4lab.attention(q, k, v, recipe, backend="triton", **tiles)
+    assert rel(got, reference_attention(q, k, v, recipe, **tiles)) <= BUDGET
+    for other in ("fa4fp4_causal_mxfp4pv_fixed", "fa4fp4_causal_mxfp4pv"):
+        assert rel(got, fp4lab.attention(q, k, v, other, backend="triton", **tiles)) > 10 * BUDGET
+    v2 = v.clone()
+    v2[:, :, 50] *= 40.0  # shares V's block 32..63 with query 40
+    moved = fp4lab.attention(q, k, v2, recipe, backend="triton", **tiles)
+    assert not torch.equal(moved[..., 40, :], got[..., 40, :])
+
+
+def test_half_of_the_leakage_fix_is_refused_where_the_kernels_do_not_run_it():
+    # V's half runs on the simulation only; P's half on Direct-P only, and not in the exact
+    # gradient's replay
+    fixed = resolve_recipe("fa4fp4_causal_mxfp4pv_fixed")
+    q, k, v = inputs(1, 1, 1, 64, 64, 32, seed=4)
+    v_half = dataclasses.replace(fixed, name="half_v", leakage_fix_parts="v")
+    with pytest.raises(NotImplementedError, match="leakage_fix_parts='v'"):
+        fp4lab.attention(q, k, v, v_half, backend="triton", causal=True)
+    plain_p = dataclasses.replace(resolve_recipe("mxfp4"), name="mx_half", leakage_fix=True,
+                                  leakage_fix_parts="p")
+    with pytest.raises(NotImplementedError, match="leakage_fix_parts='p' with p_quant=spec"):
+        fp4lab.attention(q, k, v, plain_p, backend="triton", causal=True)
+    replay = dataclasses.replace(fixed, name="half", leakage_fix_parts="p").with_exact_backward()
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    with pytest.raises(NotImplementedError, match="in the exact gradient of the forward"):
+        fp4lab.attention(q, k, v, replay, backend="triton", causal=True)
 
 
 @pytest.mark.parametrize(

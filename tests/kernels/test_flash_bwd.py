@@ -90,6 +90,17 @@ def test_gradients_are_the_simulations_up_to_summation_order(recipe, causal):
     assert_close(got, want, budget_for(recipe), recipe, exact)
 
 
+def test_the_leakage_fix_with_p_alone_trains_with_the_simulations_gradients():
+    # the study's arm mxfp4pv_leakfix_p: the route's v509 backward after a forward with P's
+    # half of the fix (its D from that forward's output)
+    fixed = resolve_recipe("fa4fp4_causal_mxfp4pv_fixed")
+    recipe = dataclasses.replace(fixed, name="half_p", leakage_fix_parts="p")
+    q, k, v, do = inputs(1, 2, 1, 96, 96, 128, seed=31)  # the route's own head_dim
+    tiles = dict(block_m=32, block_n=32, causal=True)
+    assert_close(gradients(q, k, v, do, recipe, **tiles),
+                 gradients(q, k, v, do, recipe, "reference", **tiles), BUDGET, recipe.name)
+
+
 @pytest.mark.parametrize("recipe", ["exact", "fa4fp4_causal"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
