@@ -161,6 +161,10 @@ ARMS: dict[str, Arm] = {
     "mxfp4pv_bf16_grad": Arm(_MX, "MXFP4 P/V's forward with bf16 attention's gradient, "
                              "straight through the whole attention (no quantized backward, "
                              "no lse rebuilt from the quantized forward)", gradient=FLASH_BF16),
+    "mxfp4pv_fp8_grad_loss_scaled": Arm(
+        _MX, "MXFP4 P/V's forward with FP8 P/V's gradient (its own forward and v509 backward "
+        "at the same q, k, v), straight through the whole attention; the loss scaled by 2^13",
+        gradient=FA4FP4_CAUSAL, loss_scale=LOSS_SCALE),
     "fp8pv_loss_scaled": Arm(FA4FP4_CAUSAL, "FP8 P/V with the loss scaled by 2^13 (the batch's "
                              "token count) for the backward: E5M2(4 dO) keeps this model's dO",
                              loss_scale=LOSS_SCALE),
@@ -225,6 +229,9 @@ CAUSES = (
           "float32's top)", "mxfp4pv_unshifted", "mxfp4pv", "cause"),
     Cause("MXFP4 P/V's backward at all (the quantized backward and the P it rebuilds from "
           "the represented lse), against the FP8 backward with dO kept", "mxfp4pv_bf16_grad",
+          "mxfp4pv_loss_scaled", "fix"),
+    Cause("MXFP4 P/V's own backward (the P it rebuilds from its represented lse), against "
+          "FP8 P/V's backward on the same forward values", "mxfp4pv_fp8_grad_loss_scaled",
           "mxfp4pv_loss_scaled", "fix"),
     Cause("the FP8 backward's fixed dO scale against this model's gradient magnitude",
           "fp8pv_loss_scaled", "fp8pv", "fix"),

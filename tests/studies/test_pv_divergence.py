@@ -704,6 +704,15 @@ def test_a_straight_through_gradient_keeps_the_recipes_output_and_takes_the_othe
         assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_the_fp8_gradient_arm_is_the_mxfp4_route_with_fp8s_backward_and_the_loss_scaled():
+    arms = PARTS["arms"].ARMS
+    arm = arms["mxfp4pv_fp8_grad_loss_scaled"]
+    assert arm.recipe is arms["mxfp4pv"].recipe and arm.gradient is arms["fp8pv"].recipe
+    assert arm.loss_scale == arms["mxfp4pv_loss_scaled"].loss_scale == 2.0**13
+    causes = {c.arm: c for c in PARTS["arms"].CAUSES}
+    assert causes["mxfp4pv_fp8_grad_loss_scaled"].baseline == "mxfp4pv_loss_scaled"
+
+
 def test_the_probes_gradient_error_of_a_straight_through_arm_is_its_gradient_recipes():
     """The probes report what training takes: O's error from MXFP4 P/V, dQ/dK/dV's from bf16."""
     gpt, probes, arms = PARTS["gpt"], PARTS["probes"], PARTS["arms"].ARMS
