@@ -102,5 +102,6 @@ def saved(path: Path) -> None:
 if __name__ == "__main__":
     one_tile()
     act = Path(sys.argv[1] if len(sys.argv) > 1
-               else "/work/main/results/pv-divergence-full-4/activations")
+               else Path(__file__).resolve().parents[2] / "results" / "pv-divergence-full-4"
+               / "activations")
     saved(act / "text-nvfp4pv_loss_scaled-seed1-layer3.safetensors")

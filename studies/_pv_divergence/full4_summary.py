@@ -116,7 +116,8 @@ CROSS_RECIPES = ("fp8pv", "mxfp4pv", "mxfp4pv_running_max", "mxfp4pv_leakfix")
 
 if __name__ == "__main__":
     act = Path(sys.argv[1] if len(sys.argv) > 1
-               else "/work/main/results/pv-divergence-full-4/activations")
+               else Path(__file__).resolve().parents[2] / "results" / "pv-divergence-full-4"
+               / "activations")
     res = Path(sys.argv[2] if len(sys.argv) > 2 else "results")
     out = res / "mxfp4-pv-mechanisms-full4-summary"
     out.mkdir(exist_ok=True)
