@@ -129,7 +129,7 @@ def check_recipe(recipe: AttentionRecipe) -> None:
         )
     if recipe.block_axis("p") != -1:
         missing.append("p blocked along the queries (block_axes; the kernel blocks P along keys)")
-    parts = recipe.leakage_fix_parts if recipe.leakage_fix else LeakageParts.P_AND_V
+    parts = recipe.leakage_fix_parts  # not P_AND_V only with leakage_fix (the recipe checks)
     if parts is LeakageParts.V:
         missing.append("leakage_fix_parts='v' (V's half of the fix runs on the simulation only)")
     if parts is LeakageParts.P and recipe.p_quant is not PQuant.DIRECT:
@@ -752,7 +752,7 @@ def check_backward(
         missing.append(
             "tensor_scope=tile with backward=flash (its own dO, V, K, Q quantized per tile)"
         )
-    if (recipe.leakage_fix and recipe.leakage_fix_parts is not LeakageParts.P_AND_V
+    if (recipe.leakage_fix_parts is not LeakageParts.P_AND_V
             and recipe.backward is BackwardMode.FORWARD_EXACT):
         missing.append(
             f"leakage_fix_parts={recipe.leakage_fix_parts.value!r} in the exact gradient of "

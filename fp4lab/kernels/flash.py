@@ -702,6 +702,15 @@ def _p_counts(
 
 
 @triton.jit
+def _dot_16_bits(p, v):
+    """p (fp32) times v with 16 bits of p: its high and low parts in v's dtype, the low
+    part's product accumulated onto the high part's."""
+    p_hi = p.to(v.dtype)
+    p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+    return tl.dot(p_lo, v, tl.dot(p_hi, v))
+
+
+@triton.jit
 def _sum2(x):
     """The sum of a 2-D block (a jitted helper: compiled Triton has no lambdas)."""
     return tl.sum(tl.sum(x, 1), 0)
@@ -906,31 +915,23 @@ def _fwd_inner(
             else:
                 v = tl.load(v_ptrs)
             if MODE == 0:  # unquantized P: its bf16 high and low parts, 16 bits of it
-                p_hi = p_hat.to(v.dtype)
-                p_lo = (p_hat - p_hi.to(tl.float32)).to(v.dtype)
-                pv = tl.dot(p_lo, v, tl.dot(p_hi, v))
+                pv = _dot_16_bits(p_hat, v)
             else:
                 pv = tl.dot(p_hat.to(v.dtype), v)
         pv = pv * factor
         if MODE == 6:  # P^ = q(r P) / r: the rows' products divided by their scales
             pv = tl.div_rn(pv, r[:, None])
         if MASKED and LEAK > 0 and LEAK_PARTS == 1:  # P's half: the diagonal's P times V^
-            p_hi = p_exact.to(v.dtype)
-            p_lo = (p_exact - p_hi.to(tl.float32)).to(v.dtype)
-            pv = pv + tl.dot(p_lo, v, tl.dot(p_hi, v))
+            pv = pv + _dot_16_bits(p_exact, v)
         if TILE_SCOPE:  # V's factor of this key tile (inv_vf is 1)
             vf = tl.load(vf_base + start_n // BLOCK_N)
             pv = pv * vf
         if MASKED and LEAK > 0 and LEAK_PARTS == 0:  # the diagonal's P times unquantized V
             vp_ptrs = vp_base + offs_n[:, None] * stride_pn + offs_dv[None, :] * stride_pd
             vp = tl.load(vp_ptrs, mask=inside[:, None], other=0.0)
-            p_hi = p_exact.to(vp.dtype)
-            p_lo = (p_exact - p_hi.to(tl.float32)).to(vp.dtype)
-            pv = pv + tl.dot(p_lo, vp, tl.dot(p_hi, vp)) * inv_vf
+            pv = pv + _dot_16_bits(p_exact, vp) * inv_vf
         if PRIME:  # unquantized P (16 bits of it) times V^
-            p_hi = p.to(v.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-            pv_p = tl.dot(p_lo, v, tl.dot(p_hi, v))
+            pv_p = _dot_16_bits(p, v)
             if TILE_SCOPE:
                 pv_p = pv_p * vf
             if FIXED:
