@@ -56,6 +56,7 @@ that size (it would not fit).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -72,7 +73,27 @@ from fp4lab.kernels.flash import TraceBuffers, attention_forward
 from fp4lab.recipes import Trace, resolve_recipe
 
 SHAPE = dict(B=4, H=16, S=4096, D=128)
-CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3)]
+CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
+CALL_LAUNCH = [None]  # the whole call's forward launch configurations (backend.LAUNCH; None:
+# the backend's default, `backend.launch_options`)
+TRACE_LAUNCH = [(4, 2), (8, 3)]  # the traced forward's (warps, stages), at the recipe's tiles
+WARM = None  # (shard, shards) under --warm: compile this shard's kernels, time nothing
+_ITEMS = itertools.count()
+
+
+def skip() -> bool:
+    """Under --warm, whether the next work item (a recipe's configuration) is another
+    shard's; the items are counted in the same order in every shard."""
+    return WARM is not None and next(_ITEMS) % WARM[1] != WARM[0]
+
+
+def bench(fn, **kwargs) -> float:
+    """triton.testing.do_bench's median, ms; under --warm one call (compiling), NaN."""
+    if WARM is not None:
+        fn()
+        torch.cuda.synchronize()
+        return float("nan")
+    return triton.testing.do_bench(fn, **kwargs)
 
 
 def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages, traced=False):
@@ -116,7 +137,7 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="time forward plus backward")
     parser.add_argument(
         "--backward-recipes", nargs="+",
-        default=["fa4fp4_causal", "exact", "nvfp4", "fa3_fp8", "attn_qat"],
+        default=["fa4fp4_causal", "exact", "nvfp4"],
     )  # fmt: skip
     parser.add_argument("--gradient-bias", action="store_true",
                         help="time gradient_bias's samples on the kernels")  # fmt: skip
@@ -127,7 +148,30 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true",
                         help="the 131072-token causal fwd+bwd with the trace on")
     parser.add_argument("--scale-recipes", nargs="+", default=["fa4fp4_causal"])
+    parser.add_argument(
+        "--warm", metavar="I/N",
+        help="compile shard I of N of the selected kernels (checks and one call each) and "
+        "time nothing: N such processes run side by side fill the Triton cache, so that the "
+        "timed run then compiles nothing",
+    )  # fmt: skip
+    parser.add_argument(
+        "--configs", nargs="+", metavar="BMxBN:W:S",
+        help="the kernel-alone forward's tiles, warps and stages (default: CONFIGS)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.configs:
+        global CONFIGS
+        CONFIGS = []
+        for text in args.configs:
+            tiles, warps, stages = text.split(":")
+            bm, bn = tiles.split("x")
+            CONFIGS.append((int(bm), int(bn), int(warps), int(stages)))
+    if args.warm:
+        global WARM
+        shard, shards = (int(x) for x in args.warm.split("/"))
+        if not 0 <= shard < shards:
+            raise SystemExit(f"--warm must be I/N with 0 <= I < N, got {args.warm!r}")
+        WARM = (shard, shards)
     os.makedirs(args.out, exist_ok=True)
     if args.scale:
         scale_run(args.scale_recipes, args.out)
@@ -167,7 +211,7 @@ def main() -> None:
 
     for causal in (False, True):
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
-        sdpa_ms = triton.testing.do_bench(
+        sdpa_ms = bench(
             lambda causal=causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         )
         emit(
@@ -184,12 +228,14 @@ def main() -> None:
         for name in args.recipes:
             recipe = resolve_recipe(name)
             for bm, bn, warps, stages in CONFIGS:
+                if skip():
+                    continue
                 try:
                     diff = check(recipe, causal, bm, bn)
                     fn = kernel_call(recipe, q, k, v, causal, bm, bn, warps, stages)
                     out = fn()
                     assert torch.isfinite(out.float()).all(), "non-finite output"
-                    ms = triton.testing.do_bench(fn)
+                    ms = bench(fn)
                 except Exception as err:  # a configuration that does not compile or fit
                     emit(
                         {
@@ -216,21 +262,29 @@ def main() -> None:
                     }
                 )
             # the whole call as a user makes it: Q, K, V quantized by the Triton quantizer, then
-            # the kernel at the recipe's tiles (128 x 128 where it names none)
-            ms = triton.testing.do_bench(
-                lambda r=recipe, c=causal: fp4lab.attention(q, k, v, r, causal=c, backend="triton")
-            )
-            emit(
-                {
-                    "recipe": name,
-                    "causal": causal,
-                    "tiles": "fp4lab.attention",
-                    "ms": ms,
-                    "tflops": flops / ms / 1e9,
-                    "x_sdpa": sdpa_ms / ms,
-                    "check": float("nan"),
-                }
-            )
+            # the kernel at the recipe's tiles (128 x 128 where it names none), under each
+            # launch configuration (backend.LAUNCH; None: the backend's default)
+            for launch in CALL_LAUNCH:
+                if skip():
+                    continue
+                backend.LAUNCH["forward"] = launch
+                ms = bench(
+                    lambda r=recipe, c=causal: fp4lab.attention(q, k, v, r, causal=c,
+                                                                backend="triton")
+                )  # fmt: skip
+                backend.LAUNCH["forward"] = None
+                emit(
+                    {
+                        "recipe": name,
+                        "causal": causal,
+                        "tiles": "fp4lab.attention" + ("" if launch is None else
+                                                       " w{} s{}".format(*launch)),
+                        "ms": ms,
+                        "tflops": flops / ms / 1e9,
+                        "x_sdpa": sdpa_ms / ms,
+                        "check": float("nan"),
+                    }
+                )
 
 
 def check_trace(recipe, causal) -> float:
@@ -260,40 +314,50 @@ def traced_forward(recipes, out_dir) -> None:
     rows = []
     print(f"forward with the trace, B{b} H{h} S{s} D{d} bf16; check = largest P-column "
           "difference vs the simulation's trace on B1 H2 S1024")  # fmt: skip
-    print(f"{'recipe':16s} {'causal':6s} {'what':28s} {'ms':>8s} {'TFLOP/s':>8s} "
+    print(f"{'recipe':16s} {'causal':6s} {'what':28s} {'tiles':16s} {'ms':>8s} {'TFLOP/s':>8s} "
           f"{'x SDPA':>7s} {'check':>8s}")  # fmt: skip
     for causal in (False, True):
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
-        sdpa_ms = triton.testing.do_bench(
+        sdpa_ms = bench(
             lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)
         )
-        for name in recipes:
+        for name, (warps, stages) in itertools.product(recipes, TRACE_LAUNCH):
             recipe = resolve_recipe(name)
             bm, bn = recipe.tiles(None, None)
+            if skip():
+                continue
+            backend.LAUNCH["forward"] = (warps, stages)
             try:
                 diff = check_trace(recipe, causal)
                 calls = {
-                    "kernel, trace off": kernel_call(recipe, q, k, v, causal, bm, bn, 4, 2),
-                    "kernel, TRACE on": kernel_call(recipe, q, k, v, causal, bm, bn, 4, 2, True),
+                    "kernel, trace off": kernel_call(recipe, q, k, v, causal, bm, bn, warps,
+                                                     stages),
+                    "kernel, TRACE on": kernel_call(recipe, q, k, v, causal, bm, bn, warps,
+                                                    stages, True),
                     "fp4lab.attention(trace=...)": lambda r=recipe, c=causal: fp4lab.attention(
                         q, k, v, r, causal=c, backend="triton", trace=Trace()),
                 }  # fmt: skip
-                timings = {what: triton.testing.do_bench(fn) for what, fn in calls.items()}
+                timings = {what: bench(fn) for what, fn in calls.items()}
             except Exception as err:  # a configuration that does not compile or fit
                 print(f"{name:16s} {str(causal):6s} failed: {repr(err)[:200]}", flush=True)
                 continue
+            finally:
+                backend.LAUNCH["forward"] = None
+            tiles = f"{bm}x{bn} w{warps} s{stages}"
             for what, ms in timings.items():
-                row = dict(recipe=name, causal=causal, what=what, tiles=f"{bm}x{bn}", ms=ms,
+                row = dict(recipe=name, causal=causal, what=what, tiles=tiles, ms=ms,
                            tflops=flops / ms / 1e9, x_sdpa=sdpa_ms / ms, check=diff)  # fmt: skip
                 rows.append(row)
-                print(f"{name:16s} {str(causal):6s} {what:28s} {ms:8.3f} {row['tflops']:8.1f} "
-                      f"{row['x_sdpa']:7.3f} {diff:8.1e}", flush=True)  # fmt: skip
+                print(f"{name:16s} {str(causal):6s} {what:28s} {tiles:16s} {ms:8.3f} "
+                      f"{row['tflops']:8.1f} {row['x_sdpa']:7.3f} {diff:8.1e}",
+                      flush=True)  # fmt: skip
             with open(os.path.join(out_dir, "bench_attention_gpu_trace.json"), "w") as f:
                 json.dump({"shape": SHAPE, "device": torch.cuda.get_device_name(), "rows": rows},
                           f, indent=1)  # fmt: skip
 
 
-BACKWARD_TILES = [(64, 64), (128, 64), (128, 128)]
+BACKWARD_TILES = [(64, 64), (128, 128)]
+BACKWARD_LAUNCH = [None, (8, 2)]  # the backward kernels' launch configurations (backend.LAUNCH)
 
 
 def gradients(recipe, q, k, v, do, causal, block_m, block_n, backend_name="triton"):
@@ -332,7 +396,7 @@ def forward_backward(recipes, out_dir) -> None:
           f"{'x SDPA':>7s} {'check':>8s}")  # fmt: skip
 
     def timed(fn) -> float:
-        return triton.testing.do_bench(fn, grad_to_none=leaves)
+        return bench(fn, grad_to_none=leaves)
 
     def emit(row: dict) -> None:
         rows.append(row)
@@ -354,8 +418,12 @@ def forward_backward(recipes, out_dir) -> None:
                   tflops=flops / sdpa_ms / 1e9, x_sdpa=1.0, check=0.0))  # fmt: skip
         for name in recipes:
             recipe = resolve_recipe(name)
-            for bm, bn in BACKWARD_TILES:
-                row = dict(recipe=name, causal=causal, tiles=f"{bm}x{bn}")
+            for (bm, bn), launch in itertools.product(BACKWARD_TILES, BACKWARD_LAUNCH):
+                if skip():
+                    continue
+                row = dict(recipe=name, causal=causal, tiles=f"{bm}x{bn}" + (
+                    "" if launch is None else " w{} s{}".format(*launch)))  # fmt: skip
+                backend.LAUNCH["backward"] = launch
                 try:
                     diff = check_backward(recipe, causal, bm, bn)
 
@@ -369,6 +437,8 @@ def forward_backward(recipes, out_dir) -> None:
                     emit({**row, "ms": nan, "tflops": nan, "x_sdpa": nan, "check": nan,
                           "error": repr(err)[:200]})  # fmt: skip
                     continue
+                finally:
+                    backend.LAUNCH["backward"] = None
                 emit({**row, "ms": ms, "tflops": flops / ms / 1e9, "x_sdpa": sdpa_ms / ms,
                       "check": diff})  # fmt: skip
 
@@ -387,6 +457,13 @@ def gradient_bias_timing(recipes, samples: int, out_dir) -> None:
           f"{'rel_bias diff':>14s} {'se':>9s}")  # fmt: skip
     part = [x[:, :2, :1024] for x in (q, k, v, do)]  # the check's slice: B1 H2 S1024
     for name in recipes:
+        if skip():
+            continue
+        if WARM is not None:  # the shapes the timing runs compile: the samples' and the check's
+            fp4lab.gradient_bias(q, k, v, do, name, samples=2, backend="triton", **run)
+            fp4lab.gradient_bias(*part, name, samples=4, backend="triton", **run)
+            torch.cuda.synchronize()
+            continue
         # each phase prints its time as it ends, and the kernels' timing comes first, so a
         # call killed at its limit still says where the time went (a 250 s call on the H200
         # printed no row)
@@ -435,11 +512,15 @@ def scale_run(recipes, out_dir, seq: int = 131072) -> None:
     buffer per head (what no part may allocate), and whether the outputs and the trace are
     finite where written."""
     g = torch.Generator(device="cuda").manual_seed(11)
+    if WARM is not None:  # the same kernels at a size that compiles them quickly
+        seq = 4096
     rows = []
     seq_by_seq_gb = 8 * seq * seq * 2 / 2**30
     print(f"scale: B1 H8 S{seq} D128 bf16 causal, fwd+bwd traced; one seq x seq bf16 buffer "
           f"over the heads would be {seq_by_seq_gb:.0f} GiB")
     for name in recipes:
+        if skip():
+            continue
         q, k, v, do = (torch.randn(1, 8, seq, 128, device="cuda", generator=g).bfloat16()
                        for _ in range(4))  # fmt: skip
         leaves = [x.requires_grad_() for x in (q, k, v)]

@@ -86,6 +86,7 @@ trace of a stochastic recipe, and attn_mask.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -660,27 +661,28 @@ def _p_counts(
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
 ):  # fmt: skip
-    """(clipped, blocks, scale underflows, scale overflows) of a P tile as its quantizer
-    (`_quantize_p`, `_direct_p`) saw it, counted as `fp4lab.recipes.tile_stats.block_counts`
-    does: elements whose scaled value exceeds E_MAX; blocks with a nonzero; those whose ideal
+    """(clipped, blocks, scale underflows, scale overflows) of each row of a P tile as its
+    quantizer (`_quantize_p`, `_direct_p`) saw it (fp32 vectors of BLOCK_M, for the caller
+    to stack, `_stat_columns`), counted as `fp4lab.recipes.tile_stats.block_counts` does:
+    elements whose scaled value exceeds E_MAX; blocks with a nonzero; those whose ideal
     scale amax / (E_MAX decode) lies below UNDER or above OVER (the scale format's range with
     block_counts' slack). The scaled elements are recomputed here in the quantizer's
     arithmetic, so that the quantizer itself is untouched."""
-    zero = tl.sum(tl.sum(tl.zeros_like(p), 1), 0)
+    zero = tl.sum(tl.zeros_like(p), 1)
     blocks, under, over = zero, zero, zero
     if MODE == 0:
         clipped = zero
     elif MODE == 1 or MODE == 5:
-        clipped = tl.sum(tl.sum((p * LIFT > E_MAX).to(tl.float32), 1), 0)
+        clipped = tl.sum((p * LIFT > E_MAX).to(tl.float32), 1)
     elif MODE == 3:  # Direct-P: values past M_e (its SCALE slot: the affine map); e_B at its floor
         zb = tl.reshape(z, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
         top = tl.max(zb, axis=2)
         e = _direct_exponent(top, RULE, E_LO, E_HI)
         u = _direct_values(zb, e, BLOCK_N // QBLOCK, LOG2_ME, SQ_LO, SQ_HI, S_UNIT, S_MAX)
-        clipped = tl.sum(tl.sum(tl.sum((u > E_MAX).to(tl.float32), 2), 1), 0)
+        clipped = tl.sum(tl.sum((u > E_MAX).to(tl.float32), 2), 1)
         seen = top > -float("inf")
-        blocks = tl.sum(tl.sum(seen.to(tl.float32), 1), 0)
-        under = tl.sum(tl.sum((seen & (e == E_LO)).to(tl.float32), 1), 0)
+        blocks = tl.sum(seen.to(tl.float32), 1)
+        under = tl.sum((seen & (e == E_LO)).to(tl.float32), 1)
     else:  # block scales: the scaled elements as `_quantize_p` computes them
         x = p * LIFT
         xb = tl.reshape(x, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
@@ -692,45 +694,63 @@ def _p_counts(
         scaled = _scaled_blocks(xb, factor, divisor, RULE, ARITH, S_UNIT, SQ_LO)
         # clipped where the block stores a nonzero scale (a zero scale stores zeros: flushed)
         past = (scaled > E_MAX) & (store > 0.0)[:, :, None]
-        clipped = tl.sum(tl.sum(tl.sum(past.to(tl.float32), 2), 1), 0)
+        clipped = tl.sum(tl.sum(past.to(tl.float32), 2), 1)
         ideal = tl.div_rn(amax, tl.zeros_like(amax) + E_MAX * decode)
         nonzero = amax > 0.0
-        blocks = tl.sum(tl.sum(nonzero.to(tl.float32), 1), 0)
-        under = tl.sum(tl.sum((nonzero & (ideal < UNDER)).to(tl.float32), 1), 0)
-        over = tl.sum(tl.sum((ideal > OVER).to(tl.float32), 1), 0)
+        blocks = tl.sum(nonzero.to(tl.float32), 1)
+        under = tl.sum((nonzero & (ideal < UNDER)).to(tl.float32), 1)
+        over = tl.sum((ideal > OVER).to(tl.float32), 1)
     return clipped, blocks, under, over
 
 
 @triton.jit
-def _dot_16_bits(p, v):
-    """p (fp32) times v with 16 bits of p: its high and low parts in v's dtype, the low
-    part's product accumulated onto the high part's."""
+def _put(table, rows, K: tl.constexpr):
+    """table (R, 16), a tile's stacked statistics (`_stat_columns`), with the per-row vector
+    rows (R,) added into column K."""
+    cols = tl.arange(0, 16)
+    return table + tl.where(cols[None, :] == K, rows[:, None], 0.0)
+
+
+@triton.jit
+def _stat_columns(x, x_used):
+    """The per-row parts of the statistics the forward's `FORWARD_STATS` and the backward's
+    `BACKWARD_STATS` share, stacked as columns of an (R, 16) table whose column sums
+    are the tile's statistics: 0 x's nonzeros, 1 x^'s nonzeros, 2 sum (x^ - x)^2, 3 sum x^2,
+    8 x^'s NaNs (4-7, the quantizer's counts, are the caller's to `_put`). One cross-warp
+    reduction of the table replaces one per statistic: each sum is still row sums first, then
+    over the rows."""
+    diff = x_used - x
+    table = tl.zeros([x.shape[0], 16], dtype=tl.float32)
+    table = _put(table, tl.sum((x != 0.0).to(tl.float32), 1), 0)
+    table = _put(table, tl.sum((x_used != 0.0).to(tl.float32), 1), 1)
+    table = _put(table, tl.sum(diff * diff, 1), 2)
+    table = _put(table, tl.sum(x * x, 1), 3)
+    return _put(table, tl.sum((x_used != x_used).to(tl.float32), 1), 8)
+
+
+@triton.jit
+def _put_counts(table, clipped, blocks, under, over):
+    """table with the quantizer's per-row counts (`_p_counts`) in columns 4-7."""
+    table = _put(table, clipped, 4)
+    table = _put(table, blocks, 5)
+    table = _put(table, under, 6)
+    return _put(table, over, 7)
+
+
+@triton.jit
+def _store_stats(stats_ptr, table, N: tl.constexpr):
+    """The tile's statistics, the column sums of its stacked table, into stats_ptr[0:N]."""
+    cols = tl.arange(0, 16)
+    tl.store(stats_ptr + cols, tl.sum(table, 0), mask=cols < N)
+
+
+@triton.jit
+def _dot_16_bits(p, v, acc=None):
+    """acc (or 0) plus p (fp32) times v with 16 bits of p: its high and low parts in v's
+    dtype, the low part's product accumulated onto the high part's."""
     p_hi = p.to(v.dtype)
     p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-    return tl.dot(p_lo, v, tl.dot(p_hi, v))
-
-
-@triton.jit
-def _sum2(x):
-    """The sum of a 2-D block (a jitted helper: compiled Triton has no lambdas)."""
-    return tl.sum(tl.sum(x, 1), 0)
-
-
-@triton.jit
-def _store_tile_stats(stats_ptr, x, x_used, clipped, blocks, under, over):
-    """The statistics the forward's `FORWARD_STATS` and the backward's `BACKWARD_STATS` share,
-    their first nine: x's nonzeros, x^'s nonzeros, sum (x^ - x)^2, sum x^2, the clipped
-    elements, the blocks with a nonzero, those whose scale under- or overflowed, x^'s NaNs."""
-    tl.store(stats_ptr + 0, _sum2((x != 0.0).to(tl.float32)))
-    tl.store(stats_ptr + 1, _sum2((x_used != 0.0).to(tl.float32)))
-    diff = x_used - x
-    tl.store(stats_ptr + 2, _sum2(diff * diff))
-    tl.store(stats_ptr + 3, _sum2(x * x))
-    tl.store(stats_ptr + 4, clipped)
-    tl.store(stats_ptr + 5, blocks)
-    tl.store(stats_ptr + 6, under)
-    tl.store(stats_ptr + 7, over)
-    tl.store(stats_ptr + 8, _sum2((x_used != x_used).to(tl.float32)))
+    return tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
 
 
 @triton.jit
@@ -753,9 +773,10 @@ def _trace_p_tile(
         p_seen, z, BLOCK_M, BLOCK_N, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
         QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
     )  # fmt: skip
-    _store_tile_stats(stats_ptr, p, p_used, clipped, blocks, under, over)
-    tl.store(stats_ptr + 9, _sum2((pv != pv).to(tl.float32)))
-    tl.store(stats_ptr + 10, _sum2((qk != qk).to(tl.float32)))
+    table = _put_counts(_stat_columns(p, p_used), clipped, blocks, under, over)
+    table = _put(table, tl.sum((pv != pv).to(tl.float32), 1), 9)
+    table = _put(table, tl.sum((qk != qk).to(tl.float32), 1), 10)
+    _store_stats(stats_ptr, table, 11)
     lost = tl.sum(tl.where(flushed, p, 0.0), 1)
     tl.store(lost_ptrs, tl.log2(lost) + m_use, mask=rows)
 
@@ -778,7 +799,7 @@ def _fwd_inner(
     QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, SR: tl.constexpr, SR_BITS: tl.constexpr,
     TRACE: tl.constexpr, N_STATS: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
-    P_SHIFT: tl.constexpr, LEAK_PARTS: tl.constexpr,
+    P_SHIFT: tl.constexpr, LEAK_PARTS: tl.constexpr, ACC_DOT: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, up (or down, REVERSE): the
     loop runs over a counter, since a loop's step must be positive on the GPU. MASKED
@@ -899,13 +920,19 @@ def _fwd_inner(
                 l_p = l_p + tl.sum(p, 1)
             else:
                 l_p = l_p * alpha + tl.sum(p, 1)
+        if ACC_DOT:  # acc (in units of the constant tile factor) accumulates in the dot
+            if not FIXED:
+                acc = acc * alpha[:, None]
+            pv = acc
+        else:
+            pv = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
         if PV_FP8:  # P and V hold E4M3 values: the FP8 tensor cores, V K-major
             vt_ptrs = v_base + offs_dv[:, None] * stride_vd + offs_n[None, :] * stride_vn
             if MASKED:
                 vt = tl.load(vt_ptrs, mask=inside[None, :], other=0.0)  # (V_DIM, BLOCK_N)
             else:
                 vt = tl.load(vt_ptrs)
-            pv = tl.dot(p_hat.to(vt.dtype), tl.trans(vt))
+            pv = tl.dot(p_hat.to(vt.dtype), tl.trans(vt), pv)
             if PRIME:
                 v = tl.trans(vt).to(tl.bfloat16)  # E4M3 values, exact in bf16
         else:
@@ -915,10 +942,13 @@ def _fwd_inner(
             else:
                 v = tl.load(v_ptrs)
             if MODE == 0:  # unquantized P: its bf16 high and low parts, 16 bits of it
-                pv = _dot_16_bits(p_hat, v)
+                pv = _dot_16_bits(p_hat, v, pv)
             else:
-                pv = tl.dot(p_hat.to(v.dtype), v)
-        pv = pv * factor
+                pv = tl.dot(p_hat.to(v.dtype), v, pv)
+        if ACC_DOT:
+            acc = pv
+        else:
+            pv = pv * factor
         if MODE == 6:  # P^ = q(r P) / r: the rows' products divided by their scales
             pv = tl.div_rn(pv, r[:, None])
         if MASKED and LEAK > 0 and LEAK_PARTS == 1:  # P's half: the diagonal's P times V^
@@ -961,10 +991,12 @@ def _fwd_inner(
             else:
                 l_hat = l_hat * alpha + tl.sum(p_used, 1)
                 l_pl = l_pl * alpha + tl.sum(p, 1)
-        if FIXED:
-            acc = acc + pv
-        else:
-            acc = acc * alpha[:, None] + pv
+        if not ACC_DOT:
+            if FIXED:
+                acc = acc + pv
+            else:
+                acc = acc * alpha[:, None] + pv
+        if not FIXED:
             m_i = m_new
     return acc, l_i, m_i, acc_p, l_p, l_hat, l_pl
 
@@ -994,6 +1026,8 @@ def _attn_fwd(
     OVER: tl.constexpr = 0.0, P_SHIFT: tl.constexpr = 0,
     # the leakage fix's parts: 0 P and V unquantized on the diagonal blocks, 1 P alone
     LEAK_PARTS: tl.constexpr = 0,
+    # P^ V^ accumulates inside the dot, acc in units of the constant tile factor ACC_FACTOR
+    ACC_DOT: tl.constexpr = False, ACC_FACTOR: tl.constexpr = 1.0,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
     units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
@@ -1095,6 +1129,7 @@ def _attn_fwd(
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT, LEAK_PARTS,
+        ACC_DOT,
     )
     acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base,
@@ -1105,8 +1140,11 @@ def _attn_fwd(
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT, LEAK_PARTS,
+        ACC_DOT,
     )
     empty = l_i == 0.0
+    if ACC_DOT:
+        acc = acc * ACC_FACTOR
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
     if P_SHIFT != 0:  # Direct-P's sums ran on P^ 2^-S: the log-sum-exp of P^ itself, from
         # l 2^S where it is finite (as without the shift, bit for bit), else log2 l + S
@@ -1133,6 +1171,26 @@ def _attn_fwd(
         out_p = tl.where(empty_p[:, None], 0.0, acc_p / tl.where(empty_p, 1.0, l_p)[:, None])
         tl.store(OutP + o_offs, (out_p * out_factor).to(OutP.dtype.element_ty), mask=rows[:, None])
 # fmt: on
+
+
+def _accumulate_in_dot(pq: PQuantizer, per_tile: bool) -> dict:
+    """ACC_DOT and ACC_FACTOR: whether the tile's P^ V^ accumulates inside its `tl.dot` (as
+    Triton's fused-attention tutorial does: acc = dot(P, V, alpha acc), no second fp32 tile
+    in registers) with acc in units of the tile factor, applied once at the end. Only where
+    that factor is one constant for the whole call: not with a per-tile tensor scale (TENSOR),
+    two-level P's row scales, or what needs each tile's own product (`per_tile`: O', the
+    trace, per-tile operand factors, the leakage fix's diagonal terms). The result differs
+    from the per-tile product's only by rounding order (the factor is a power of two or
+    1/M_e, applied once rather than per tile)."""
+    if per_tile or pq.TENSOR or pq.MODE == 6:
+        return {}
+    if pq.MODE == 3:  # Direct-P's values are u / M_e, its factor 1 / E_MAX
+        factor = 1.0 / pq.ELEM[3]
+    else:
+        factor = 1.0 / pq.LIFT
+        if pq.MODE == 2 and 2 <= pq.RULE <= 5:  # an alpha grid's 1/M_e
+            factor = factor / pq.ELEM[3]
+    return dict(ACC_DOT=True, ACC_FACTOR=factor)
 
 
 _REFERENCES = {"running": 0, "anchor": 1, "zero": 2}
@@ -1227,8 +1285,16 @@ def sr_key_table(keys: tuple, stochastic: tuple, names: tuple, batch: int, devic
             if len(each) != n:
                 raise ValueError(f"{name}: {len(each)} keys, where another stream has {n}")
             row.append(sr_key_words(each[i], random, name))
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.int32, device=device), batch // n
+        rows.append(tuple(row))
+    return _key_table(tuple(rows), torch.device(device)), batch // n
+
+
+@functools.lru_cache(maxsize=64)
+def _key_table(rows: tuple, device: torch.device) -> torch.Tensor:
+    """`sr_key_table`'s int32 table on `device`, made once per distinct table: a table made
+    from host values is a copy from pageable memory, which waits for the host, and the
+    deterministic recipes' table (all zeros) is the same in every call. Kernels only read it."""
+    return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -1242,6 +1308,34 @@ def _stream_words(SRKeys, b, sr_batch, j, M: tl.constexpr):
 
 
 # -- the launcher ----------------------------------------------------------------------------------
+_STAGES: dict = {}  # (kernel, its constants) -> the pipeline depth that fits in shared memory
+
+
+def launch_fitting(kernel, grid: tuple, args: tuple, constants: dict) -> None:
+    """Launch `kernel` with `constants["num_stages"]`, or fewer where that pipeline does not
+    fit the GPU's shared memory (the backward's 128 x 128 tiles at head_dim 128 need 329 KB at
+    2 stages on the H200, which has 227 KB; the forward's, 229 KB at 3): the depth changes no
+    number, only the overlap of loads and math, and the depth that fits is remembered per
+    kernel and constants. At one stage that still does not fit, a ValueError names the
+    tiles."""
+    key = (kernel.fn.__name__, tuple(sorted(constants.items())))
+    stages = _STAGES.get(key, constants["num_stages"])
+    while True:
+        try:
+            kernel[grid](*args, **{**constants, "num_stages": stages})
+        except triton.runtime.errors.OutOfResources as error:
+            if stages == 1:
+                raise ValueError(
+                    f"block_m={constants['BLOCK_M']}, block_n={constants['BLOCK_N']} at head_dim "
+                    f"{constants['HEAD_DIM']}: {kernel.fn.__name__} does not fit this GPU's "
+                    f"shared memory even at one pipeline stage ({error}); pass smaller tiles"
+                ) from error
+            stages -= 1
+            continue
+        _STAGES[key] = stages
+        return
+
+
 def attention_forward(
     q,
     k,
@@ -1359,15 +1453,15 @@ def attention_forward(
         instrument = dict(TRACE=True, N_STATS=len(FORWARD_STATS), UNDER=under, OVER=over)
     spare = lse  # a pointer for the buffers an uninstrumented kernel never touches
     # fmt: off
-    _attn_fwd[grid](
+    launch_fitting(_attn_fwd, grid, (
         q, k, v, v_plain, o, o if o_prime is None else o_prime, lse,
         lse if m_ref is None else m_ref, lse if mean_scores is None else mean_scores,
-        *(spare,) * 3 if trace is None else
-        (trace.stats, trace.lost, trace.out), qf, kf, vf, scale * LOG2E,
+        *((spare,) * 3 if trace is None else (trace.stats, trace.lost, trace.out)),
+        qf, kf, vf, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), *v_plain.stride(),
         o.stride(0), o.stride(1), o.stride(2),
-        H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E, *sr_table,
+        H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E, *sr_table), dict(
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, REVERSE=reverse,
         LAZY=lazy_log2 is not None, LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized,
         PV_FP8=v.dtype == torch.float8_e4m3fn,
@@ -1380,10 +1474,12 @@ def attention_forward(
         SAVE_M=m_ref is not None, SR=pq.SR, SR_BITS=pq.SR_BITS,
         SMOOTH_Q=mean_scores is not None, TILE_SCOPE=tile_scope, P_SHIFT=pq.shift,
         LEAK_PARTS=_LEAK_PARTS[leakage_parts],
+        **_accumulate_in_dot(pq, o_prime is not None or trace is not None or tile_scope
+                             or leakage_block > 0),
         **instrument,
         num_warps=num_warps,
         num_stages=num_stages,
         enable_fp_fusion=FP_FUSION,
-    )
+    ))
     # fmt: on
     return o, lse

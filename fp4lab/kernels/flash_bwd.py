@@ -130,14 +130,17 @@ from fp4lab.kernels.flash import (
     _direct_p,
     _grid,
     _p_counts,
+    _put,
+    _put_counts,
     _quantize_p,
     _round,
     _row_scales,
     _scale_bounds,
-    _store_tile_stats,
+    _stat_columns,
+    _store_stats,
     _stream_words,
-    _sum2,
     check_p,
+    launch_fitting,
     sr_key_table,
 )
 from fp4lab.kernels.quantize import _bfloat16_round
@@ -499,30 +502,36 @@ def _trace_tile(
             mag = mag * _row_scales(tl.trans(mag), E_MAX * S_MAX)[None, :]
         else:
             mag = mag * _row_scales(mag, E_MAX * S_MAX)[:, None]
-    zero = _sum2(tl.zeros_like(mag))
+    table = _put(_stat_columns(x, x_used), tl.sum(tl.where(flushed, x, 0.0), 1), 9)
     if MODE == 4:  # one FP32 scale t = amax / M_e per tile: its ideal scale stays in range
         a = mag * LIFT
-        amax = tl.zeros_like(a) + tl.max(tl.max(a, 1), 0)
+        top = tl.max(tl.max(a, 1), 0)
+        amax = tl.zeros_like(a) + top
         t = tl.div_rn(amax, tl.zeros_like(a) + E_MAX)
         scaled = tl.where(t == 0.0, 0.0, tl.div_rn(a, tl.where(t == 0.0, 1.0, t)))
-        clipped = _sum2((scaled > E_MAX).to(tl.float32))
-        blocks = (tl.max(tl.max(a, 1), 0) > 0.0).to(tl.float32)
-        under, over = zero, zero
+        table = _put(table, tl.sum((scaled > E_MAX).to(tl.float32), 1), 4)
+        first = tl.arange(0, ROWS) == 0  # the tile's one block, counted once
+        table = _put(table, tl.where(first, (top > 0.0).to(tl.float32), 0.0), 5)
     elif MODE == 5:  # a bf16 cast, saturating
-        clipped = _sum2((mag * LIFT > E_MAX).to(tl.float32))
-        blocks, under, over = zero, zero, zero
-    elif TRANS:
+        table = _put(table, tl.sum((mag * LIFT > E_MAX).to(tl.float32), 1), 4)
+    elif TRANS:  # the quantizer's counts over the transposed tile: a table of their own
         clipped, blocks, under, over = _p_counts(
             tl.trans(mag), tl.trans(z_q), COLS, ROWS, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
             S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
         )  # fmt: skip
+        counts = _put_counts(tl.zeros([COLS, 16], dtype=tl.float32), clipped, blocks, under,
+                             over)  # fmt: skip
     else:
         clipped, blocks, under, over = _p_counts(
             mag, z_q, ROWS, COLS, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
             QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
         )  # fmt: skip
-    _store_tile_stats(stats_ptr, x, x_used, clipped, blocks, under, over)
-    tl.store(stats_ptr + 9, _sum2(tl.where(flushed, x, 0.0)))
+        table = _put_counts(table, clipped, blocks, under, over)
+    if TRANS and MODE != 4 and MODE != 5:
+        cols = tl.arange(0, 16)
+        tl.store(stats_ptr + cols, tl.sum(table, 0) + tl.sum(counts, 0), mask=cols < 10)
+    else:
+        _store_stats(stats_ptr, table, 10)
 
 
 # -- the preprocess: D = rowsum(dO * O) -------------------------------------------------------
@@ -1155,7 +1164,7 @@ def attention_backward(
     dv_constants = dv_p.constants("DV", keys_last=False)
     if m_ref is not None:  # the replayed P^, normalized, is no longer bf16-exact
         dv_constants["DV_SPLIT"] = True
-    _launch(
+    launch_fitting(
         _attn_bwd_dkdv, (triton.cdiv(Sk, block_n), B * Hk),
         (q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv,
          f32(qf, n_q), f32(kf, n_k), f32(f_dov, n_q), f32(f_dop, n_q), f32(f_v, n_k),
@@ -1169,7 +1178,7 @@ def attention_backward(
     # -- dQ --
     dq = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
     kd, f_kd = ops.k_dq
-    _launch(
+    launch_fitting(
         _attn_bwd_dq, (triton.cdiv(Sq, block_m), B * H),
         (q, k, v, kd, do_p, lse, delta, dq, f32(qf, n_q), f32(kf, n_k), f32(f_dop, n_q),
          f32(f_v, n_k), f32(f_kd, n_k), scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table,
@@ -1207,33 +1216,6 @@ def trace_buffers(B, H, Sq, Sk, block_m, block_n, device) -> dict:
     shape = (B, H, triton.cdiv(Sq, block_m), triton.cdiv(Sk, block_n), len(BACKWARD_STATS))
     return {name: torch.zeros(shape, dtype=torch.float32, device=device) for name in
             ("dv", "dk", "dq")}  # fmt: skip
-
-
-_STAGES: dict = {}  # (kernel, its constants) -> the pipeline depth that fits in shared memory
-
-
-def _launch(kernel, grid: tuple, args: tuple, constants: dict) -> None:
-    """Launch with `constants["num_stages"]`, or fewer where that pipeline does not fit the
-    GPU's shared memory (128 x 128 tiles at head_dim 128 need 329 KB at 2 stages on the H200,
-    which has 227 KB): the depth changes no number, only the overlap of loads and math. At
-    one stage that still does not fit, a ValueError names the tiles."""
-    key = (kernel.fn.__name__, tuple(sorted(constants.items())))
-    stages = _STAGES.get(key, constants["num_stages"])
-    while True:
-        try:
-            kernel[grid](*args, **{**constants, "num_stages": stages})
-        except triton.runtime.errors.OutOfResources as error:
-            if stages == 1:
-                raise ValueError(
-                    f"block_m={constants['BLOCK_M']}, block_n={constants['BLOCK_N']} at head_dim "
-                    f"{constants['HEAD_DIM']}: the backward's {kernel.fn.__name__} does not fit "
-                    f"this GPU's shared memory even at one pipeline stage ({error}); pass "
-                    "smaller tiles"
-                ) from error
-            stages -= 1
-            continue
-        _STAGES[key] = stages
-        return
 
 
 def check_tiles(block_m: int, block_n: int, **quantizers: TileQuantizer) -> None:

@@ -55,6 +55,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KEY = ["product", "batch", "head", "kv_head", "q_tile", "k_tile"]
 COUNTS = ("flushed", "clipped", "scale_underflow", "scale_overflow", "nan")  # and *_nan
 ATOL, RTOL = 2e-6, 1e-5
+# compiled on a GPU (the small tests too): a P element on a rounding boundary may round the
+# other way (scores summed in another order, exp2 against exp), so a count moves by an
+# element or two of its tile and a sum by that element's share (measured on the H200,
+# 2026-12-02: a_flushed by one element of a 32 x 32 tile, out's row_sum_err by 4e-5 of 1.4e-3)
+GPU_ELEMENTS, GPU_ATOL, GPU_RTOL = 2, 1e-4, 1e-3
 DS_ATOL, DS_RTOL, DS_ELEMENTS = 1e-4, 2e-2, 32  # dS's columns: see the module docstring
 RECIPES = [
     "exact", "nvfp4", "mxfp4", "fa4fp4_causal", "fa4fp4_causal_mxfp4pv",
@@ -103,7 +108,11 @@ def compare(ref, tri, meta, atol=ATOL, rtol=RTOL, count_atol=0.0, clipped_elemen
     """Assert the Triton frame equals the reference's forward rows: the same rows, counts
     within count_atol (exactly by default; ``a_clipped`` one element more, see the module),
     sums within atol + rtol |ref|, NaN where the reference's is; on failure, the first
-    differing tile and both values. `meta`: the call's (tile geometry)."""
+    differing tile and both values. `meta`: the call's (tile geometry). On a GPU the
+    budgets widen to GPU_ELEMENTS elements a tile and GPU_ATOL + GPU_RTOL |ref|."""
+    gpu = DEVICE == "cuda"
+    if gpu:
+        atol, rtol = max(atol, GPU_ATOL), max(rtol, GPU_RTOL)
     assert sorted(map(tuple, ref[KEY].values)) == sorted(map(tuple, tri[KEY].values))
     both = ref.merge(tri, on=KEY, suffixes=("_ref", "_tri"))
     assert len(both) == len(ref)
@@ -116,6 +125,8 @@ def compare(ref, tri, meta, atol=ATOL, rtol=RTOL, count_atol=0.0, clipped_elemen
         a, b = both.loc[~missing, f"{name}_ref"], both.loc[~missing, f"{name}_tri"]
         is_count = name.endswith("nan") or name[2:] in COUNTS
         tol = count_atol + 0 * a if is_count else atol + rtol * a.abs()
+        if is_count and gpu:
+            tol = tol + GPU_ELEMENTS * one_element[~missing]
         if name == "a_clipped":
             tol = tol + clipped_elements * one_element[~missing]
         ds = both.loc[~missing, "product"].isin(["dq", "dk"]) & name.startswith("a_")
@@ -270,6 +281,8 @@ def test_the_uninstrumented_call_compiles_trace_off(monkeypatch):
     kernel = flash._attn_fwd
 
     class Spy:
+        fn = kernel.fn
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 launched.append(kwargs.get("TRACE", defaults["TRACE"]))
@@ -367,7 +380,7 @@ def test_a_trace_of_a_stochastic_recipe_is_refused():
 
 
 def test_both_passes_lay_out_their_shared_statistics_alike():
-    # _store_tile_stats writes the first nine of either layout
+    # _stat_columns stacks the first nine of either layout
     from fp4lab.kernels.flash_bwd import BACKWARD_STATS
 
     assert flash.FORWARD_STATS[:9] == BACKWARD_STATS[:9]
