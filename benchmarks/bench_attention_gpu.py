@@ -50,7 +50,14 @@ that size (it would not fit).
         [--backward [--backward-recipes fa4fp4_causal ...]]
         [--trace [--trace-recipes nvfp4 ...]] [--no-kernels] [--out DIR]
         [--gradient-bias [--bias-recipes croissattn ...] [--bias-samples 256]]
-        [--scale [--scale-recipes fa4fp4_causal ...]]
+        [--scale [--scale-recipes fa4fp4_causal ...]] [--configs 64x64:4:3 ...]
+        [--warm I/N]
+
+`--warm I/N` compiles shard I of N of the kernels the same arguments would time and times
+nothing: run N of them side by side (each with its own --out), then the timed run, which then
+finds every kernel in the Triton cache (TRITON_CACHE_DIR) instead of compiling them one by
+one. The launch configurations (warps, stages) of the whole calls are swept through
+`fp4lab.kernels.backend.LAUNCH`.
 """
 
 from __future__ import annotations
