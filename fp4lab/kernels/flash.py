@@ -755,7 +755,7 @@ def _dot_16_bits(p, v, acc=None):
 
 @triton.jit
 def _trace_p_tile(
-    p, p_seen, p_used, z, qk, pv, m_use, rows, stats_ptr, lost_ptrs,
+    p, p_seen, p_used, z, qk_nan, pv_nan, m_use, rows, stats_ptr, lost_ptrs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     LIFT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
     S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
@@ -766,16 +766,17 @@ def _trace_p_tile(
     stats_ptr, and each row's flushed probability mass as log2(mass) + m (its row reference
     m_use) to lost_ptrs: P the tile's unquantized probabilities, p_seen what P's quantizer
     was given (P, or two-level P's row-scaled r P), p_used the P^ its P V consumed
-    (dequantized, the leakage fix's diagonal blocks unquantized), z = log2 P, qk the masked
-    scores, pv the tile's P^ V^."""
+    (dequantized, the leakage fix's diagonal blocks unquantized), z = log2 P, qk_nan and
+    pv_nan the NaNs of each row of the masked scores and of the tile's P^ V^ (counted where
+    those tiles are made, so that neither stays in registers for the statistics)."""
     flushed = (p_used == 0.0) & (p != 0.0)
     clipped, blocks, under, over = _p_counts(
         p_seen, z, BLOCK_M, BLOCK_N, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
         QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
     )  # fmt: skip
     table = _put_counts(_stat_columns(p, p_used), clipped, blocks, under, over)
-    table = _put(table, tl.sum((pv != pv).to(tl.float32), 1), 9)
-    table = _put(table, tl.sum((qk != qk).to(tl.float32), 1), 10)
+    table = _put(table, pv_nan, 9)
+    table = _put(table, qk_nan, 10)
     _store_stats(stats_ptr, table, 11)
     lost = tl.sum(tl.where(flushed, p, 0.0), 1)
     tl.store(lost_ptrs, tl.log2(lost) + m_use, mask=rows)
@@ -866,6 +867,8 @@ def _fwd_inner(
         if SAVE_M:  # for a backward that replays this P^ (backward=forward_exact)
             tl.store(mref_base + offs_m * n_k + start_n // BLOCK_N, m_use, mask=rows)
         z = qk - m_use[:, None]  # log2 P
+        if TRACE:  # the scores' NaNs per row, so that the scores' tile dies here
+            qk_nan = tl.sum((qk != qk).to(tl.float32), 1)
         # -- quantize P --
         if MODE == 3:  # Direct-P: codes from z itself
             p_hat = _direct_p(
@@ -968,6 +971,13 @@ def _fwd_inner(
                 acc_p = acc_p + pv_p
             else:
                 acc_p = acc_p * alpha[:, None] + pv_p
+        if TRACE:  # the product's NaNs per row, so that its tile dies with the update below
+            pv_nan = tl.sum((pv != pv).to(tl.float32), 1)
+        if not ACC_DOT:
+            if FIXED:
+                acc = acc + pv
+            else:
+                acc = acc * alpha[:, None] + pv
         if TRACE:  # the statistics of P^ as P V consumed it
             p_used = p_hat * factor
             if MODE == 3 and LIFT != 1.0:  # P^ itself, not its 2^-S shifted form
@@ -979,7 +989,7 @@ def _fwd_inner(
             if MASKED and LEAK > 0:
                 p_used = tl.where(diagonal, p, p_used)
             _trace_p_tile(
-                p, p_seen, p_used, z, qk, pv, m_use, rows,
+                p, p_seen, p_used, z, qk_nan, pv_nan, m_use, rows,
                 stats_base + (start_n // BLOCK_N) * N_STATS,
                 lost_base + offs_m * n_k + start_n // BLOCK_N, BLOCK_M, BLOCK_N,
                 MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH,
@@ -991,11 +1001,6 @@ def _fwd_inner(
             else:
                 l_hat = l_hat * alpha + tl.sum(p_used, 1)
                 l_pl = l_pl * alpha + tl.sum(p, 1)
-        if not ACC_DOT:
-            if FIXED:
-                acc = acc + pv
-            else:
-                acc = acc * alpha[:, None] + pv
         if not FIXED:
             m_i = m_new
     return acc, l_i, m_i, acc_p, l_p, l_hat, l_pl
