@@ -88,6 +88,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,23 @@ MODE_BF16 = 5  # PQuantizer's mode of a cast to bf16 (forward and backward)
 FP_FUSION = False
 
 
+
+
+def _hardware_e4m3() -> bool:
+    """Whether compiled kernels round onto E4M3 by the GPU's own conversion: fp32 to E4M3 by
+    `cvt.rn.satfinite.e4m3x2.f32` (sm_89 and later: to nearest even, saturating at 448, NaN
+    kept), which is the reference's rounding (`fp4lab.formats.round_to_format`, checked on
+    every E4M3 boundary by tests/kernels/test_flash.py). Not under Triton's interpreter, whose
+    conversion to fp8 rounds half away from zero and does not saturate: there `_round`'s
+    arithmetic runs."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+HW_E4M3 = tl.constexpr(_hardware_e4m3())
+
+
 # -- device functions: rounding onto a format's grid, and P's block scales -------------------------
 @triton.jit
 def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: tl.constexpr):
@@ -130,7 +148,10 @@ def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: 
     exponent bits) clamped to [Q_LO, Q_HI] = [2^emin, 2^(emax+1)] times UNIT = 2^-mbits; x /
     quantum and back are exact (powers of two). x / quantum < 2^(mbits + 1) unless x lies
     above the format's top binade, where any result of at least 2^22 quanta saturates: so
-    _rint's magic number needs no range check."""
+    _rint's magic number needs no range check. E4M3's grid, compiled for a GPU with the
+    conversion (`HW_E4M3`), is one hardware rounding there and back, the same values."""
+    if HW_E4M3 and Q_LO == 0.015625 and Q_HI == 512.0 and UNIT == 0.125 and MAXV == 448.0:
+        return x.to(tl.float8e4nv).to(tl.float32)
     quantum, inverse = _quantum(x, Q_LO, Q_HI, UNIT)
     return tl.minimum(_rint(x * inverse) * quantum, MAXV)
 
@@ -935,7 +956,12 @@ def _fwd_inner(
                 vt = tl.load(vt_ptrs, mask=inside[None, :], other=0.0)  # (V_DIM, BLOCK_N)
             else:
                 vt = tl.load(vt_ptrs)
-            pv = tl.dot(p_hat.to(vt.dtype), tl.trans(vt), pv)
+            if (HW_E4M3 and MODE == 1 and EQ_LO == 0.015625 and EQ_HI == 512.0
+                    and E_UNIT == 0.125 and E_MAX == 448.0 and not (MASKED and LEAK > 0)):
+                p8 = (p_q * LIFT).to(vt.dtype)  # P^ in one hardware rounding (`_round`'s)
+            else:
+                p8 = p_hat.to(vt.dtype)  # exact: P^ lies on E4M3's grid
+            pv = tl.dot(p8, tl.trans(vt), pv)
             if PRIME:
                 v = tl.trans(vt).to(tl.bfloat16)  # E4M3 values, exact in bf16
         else:
