@@ -2,9 +2,10 @@
 
 For each recipe and (tiles, warps, stages) of `bench_attention_gpu.CONFIGS`, with the trace off
 and on: the registers per thread and spills (`CompiledKernel.n_regs`, `n_spills`), the shared
-memory, and counts read from the compiled code (layout conversions and shared-memory buffers in
-the TTGIR; wgmma instructions, barriers and lines in the PTX). Registers at the 255 cap with
-spills say where a kernel runs out of room (the traced kernels, 2026-12-02: up to 226 spilled).
+memory, and counts read from the compiled code (layout conversions and shared-memory buffers
+in the TTGIR; wgmma instructions, barriers, E4M3 conversions and lines in the PTX). Registers
+at the 255 cap with spills say where a kernel runs out of room (the traced kernels,
+2026-12-02: up to 226 spilled).
 It reads Triton's in-process kernel cache (`JITFunction.device_caches`, triton 3.6), so it
 needs a GPU. Writes `kernel_resources.json` (and each nvfp4 kernel's TTGIR with --ttgir) under
 --out.
@@ -60,6 +61,7 @@ def main() -> None:
                     convert_layout=ttgir.count("convert_layout"),
                     local_alloc=ttgir.count("local_alloc"),
                     wgmma=ptx.count("wgmma.mma_async"), barriers=ptx.count("bar.sync"),
+                    e4m3_cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
                     ptx_lines=ptx.count(";\n"),
                 )  # fmt: skip
                 rows.append(row)

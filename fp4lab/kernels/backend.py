@@ -591,8 +591,11 @@ def _fp8_pv(recipe: AttentionRecipe, block_n: int | None = None) -> bool:
 
 def _key_major_fp8(v: torch.Tensor) -> torch.Tensor:
     """V (B, Hkv, Sk, Dv) as float8_e4m3fn stored with the keys contiguous (the layout FP8
-    matrix instructions take their B operand in), viewed back as (B, Hkv, Sk, Dv)."""
-    return v.to(torch.float8_e4m3fn).transpose(-1, -2).contiguous().transpose(-1, -2)
+    matrix instructions take their B operand in), viewed back as (B, Hkv, Sk, Dv): cast in
+    torch (exact: V^'s values lie on E4M3's grid), transposed by `layout.key_major`."""
+    from fp4lab.kernels.layout import key_major
+
+    return key_major(v.to(torch.float8_e4m3fn).contiguous())
 
 
 def _per_head(scale: torch.Tensor, b: int, h: int, groups: int) -> torch.Tensor:

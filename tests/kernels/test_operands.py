@@ -28,6 +28,8 @@ pytest.importorskip("triton")
 from fp4lab.kernels import backend  # noqa: E402
 from fp4lab.kernels import quantize as K  # noqa: E402
 
+from .helpers import DEVICE  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings("ignore:.* encountered in:RuntimeWarning")
 
 _FIELDS = ("q", "k", "v", "dv_do", "dp_do", "dp_v", "dq_k", "dk_q")
@@ -235,3 +237,28 @@ def test_fake_quantize_stored_refuses_what_it_does_not_write():
         K.fake_quantize_stored(x, F.get("fp8_e4m3_tensor"), K.StoredScale.ONE,
                                out_dtype=torch.float16)
     assert math.isfinite(float(K.fake_quantize_stored(x, "fp8_e4m3_tensor", K.StoredScale.ONE)[1]))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 130, 64), (1, 1, 64, 128), (1, 2, 7, 33), (4, 0, 8)])
+def test_key_major_moves_the_bits_only(shape):
+    # any byte, NaN patterns of float8 included, lands where torch's transposing copy puts it;
+    # ragged tiles on both axes, an empty tensor
+    from fp4lab.kernels.layout import key_major
+
+    g = torch.Generator().manual_seed(len(shape))
+    bits = torch.randint(-128, 128, shape, dtype=torch.int8, generator=g).to(DEVICE)
+    x = bits.view(torch.float8_e4m3fn)
+    got = key_major(x)
+    want = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert got.shape == x.shape
+    assert got.numel() == 0 or got.stride() == want.stride()  # (an empty tensor's are torch's)
+    assert torch.equal(got.view(torch.int8), want.view(torch.int8))
+
+
+def test_key_major_refuses_what_it_cannot_copy():
+    from fp4lab.kernels.layout import key_major
+
+    with pytest.raises(ValueError, match="one-byte elements"):
+        key_major(torch.zeros(4, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous: False"):
+        key_major(torch.zeros(4, 4, dtype=torch.int8, device=DEVICE).t())
