@@ -275,11 +275,13 @@ def main() -> None:
                 if skip():
                     continue
                 backend.LAUNCH["forward"] = launch
-                ms = bench(
-                    lambda r=recipe, c=causal: fp4lab.attention(q, k, v, r, causal=c,
-                                                                backend="triton")
-                )  # fmt: skip
-                backend.LAUNCH["forward"] = None
+                try:
+                    ms = bench(
+                        lambda r=recipe, c=causal: fp4lab.attention(q, k, v, r, causal=c,
+                                                                    backend="triton")
+                    )  # fmt: skip
+                finally:
+                    backend.LAUNCH["forward"] = None
                 emit(
                     {
                         "recipe": name,
@@ -364,7 +366,7 @@ def traced_forward(recipes, out_dir) -> None:
 
 
 BACKWARD_TILES = [(64, 64), (128, 128)]
-BACKWARD_LAUNCH = [None, (8, 2)]  # the backward kernels' launch configurations (backend.LAUNCH)
+BACKWARD_LAUNCH = [(4, 2), (8, 2)]  # the backward kernels' (warps, stages) (backend.LAUNCH)
 
 
 def gradients(recipe, q, k, v, do, causal, block_m, block_n, backend_name="triton"):
@@ -428,8 +430,8 @@ def forward_backward(recipes, out_dir) -> None:
             for (bm, bn), launch in itertools.product(BACKWARD_TILES, BACKWARD_LAUNCH):
                 if skip():
                     continue
-                row = dict(recipe=name, causal=causal, tiles=f"{bm}x{bn}" + (
-                    "" if launch is None else " w{} s{}".format(*launch)))  # fmt: skip
+                row = dict(recipe=name, causal=causal,
+                           tiles=f"{bm}x{bn} w{launch[0]} s{launch[1]}")  # fmt: skip
                 backend.LAUNCH["backward"] = launch
                 try:
                     diff = check_backward(recipe, causal, bm, bn)
