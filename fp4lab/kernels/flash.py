@@ -151,15 +151,16 @@ def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: 
     instead: (x + M) - M with M = 1.5 2^23 quantum, whose ulp is the quantum, rounds x to
     the nearest even multiple of it, the same value in three operations fewer. E4M3's grid,
     compiled for a GPU with the conversion (`HW_E4M3`), is one hardware rounding there and
-    back, the same values."""
+    back, the same values. Saturation keeps NaN, as the reference's clamp does (compiled, a
+    plain tl.minimum(NaN, MAXV) may give MAXV)."""
     if HW_E4M3 and Q_LO == 0.015625 and Q_HI == 512.0 and UNIT == 0.125 and MAXV == 448.0:
         return x.to(tl.float8e4nv).to(tl.float32)
     if Q_HI * UNIT <= 1.0141204801825835e31:  # 2^103
         binade = (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
         magic = tl.minimum(tl.maximum(binade, Q_LO), Q_HI) * (UNIT * 12582912.0)
-        return tl.minimum((x + magic) - magic, MAXV)
+        return tl.minimum((x + magic) - magic, MAXV, propagate_nan=tl.PropagateNan.ALL)
     quantum, inverse = _quantum(x, Q_LO, Q_HI, UNIT)
-    return tl.minimum(_rint(x * inverse) * quantum, MAXV)
+    return tl.minimum(_rint(x * inverse) * quantum, MAXV, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -191,7 +192,7 @@ def _round_stochastic(
         up = words < tl.ceil(frac * 4294967296.0).to(tl.uint32)
     else:
         up = (words >> (32 - SR_BITS)) < tl.floor(frac * (2.0**SR_BITS)).to(tl.uint32)
-    return tl.minimum((low + up.to(tl.float32)) * quantum, MAXV)
+    return tl.minimum((low + up.to(tl.float32)) * quantum, MAXV, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -562,7 +563,7 @@ def _quantize_p(
     if MODE == 1:
         return _round(x, EQ_LO, EQ_HI, E_UNIT, E_MAX), 1.0 / LIFT
     if MODE == 5:  # bf16: the mantissa rounded to 7 bits, to nearest even, saturating
-        return tl.minimum(_bfloat16_round(x), E_MAX), 1.0 / LIFT
+        return tl.minimum(_bfloat16_round(x), E_MAX, propagate_nan=tl.PropagateNan.ALL), 1.0 / LIFT
     blocks = tl.reshape(x, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
     amax = tl.max(blocks, axis=2)
     A = tl.max(tl.max(x, axis=1), axis=0)

@@ -413,7 +413,7 @@ def _quantize_tile(
         values = _round(scaled, EQ_LO, EQ_HI, E_UNIT, E_MAX)
         factor = tl.max(tl.max(t, 1), 0) * (1.0 / LIFT)
     elif MODE == 5:  # bf16, rounded on its bits to nearest even, saturating
-        values = tl.minimum(_bfloat16_round(mag * LIFT), E_MAX)
+        values = tl.minimum(_bfloat16_round(mag * LIFT), E_MAX, propagate_nan=tl.PropagateNan.ALL)
         factor = 1.0 / LIFT
     elif MODE == 7:  # MS-EDEN on the signed (rotated) x; its magnitudes, the sign below
         if TRANS:

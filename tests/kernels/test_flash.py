@@ -504,21 +504,26 @@ def test_division_by_a_short_scale_is_the_ieee_quotient():
 
 
 @triton.jit
-def _e4m3_kernel(X, Out, N, BLOCK: tl.constexpr):
+def _round_kernel(X, Out, N, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr,
+                  MAXV: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < N
     x = tl.load(X + offs, mask=inside, other=0.0)
-    tl.store(Out + offs, flash._round(x, 0.015625, 512.0, 0.125, 448.0), mask=inside)
+    tl.store(Out + offs, flash._round(x, Q_LO, Q_HI, UNIT, MAXV), mask=inside)
 
 
-def test_rounding_onto_e4m3_in_registers_is_the_reference_bit_for_bit():
-    # `_round` with E4M3's constants: compiled for an sm_89+ GPU the hardware conversion
-    # (flash.HW_E4M3), interpreted its arithmetic. Every E4M3 value and midpoint (where a
+@pytest.mark.parametrize("name", ["fp8_e4m3fn", "fp4_e2m1", "fp8_e5m2"])
+def test_rounding_onto_a_grid_in_registers_is_the_reference_bit_for_bit(name):
+    # `_round`: for E4M3 compiled on an sm_89+ GPU the hardware conversion (flash.HW_E4M3),
+    # else the magic-number arithmetic. Every value of the format and every midpoint (where a
     # tie rounds to even) with its 64 fp32 neighbours on each side, subnormals of both
-    # formats, values past 448 and inf (saturating), and on a GPU every 7th fp32 bit
-    # pattern up to 512 (a sample of 2^16 under the interpreter)
-    grid = _e4m3_values()
-    points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([464.0, 480.0, 1e30])])
+    # formats, values past the maximum, inf (saturating) and NaN (kept), and on a GPU every
+    # 7th fp32 bit pattern up to 512 (a sample of 2^16 under the interpreter)
+    fmt = fp4lab.formats.get(name)
+    grid = _nonnegative_values(fmt)
+    top = fmt.max
+    points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2,
+                        torch.tensor([top * 1.03, top * 1.07, 1e30])])  # fmt: skip
     near = points.view(torch.int32)[:, None] + torch.arange(-64, 65, dtype=torch.int32)
     near = near.flatten().clamp(min=0)
     if DEVICE == "cuda":
@@ -528,19 +533,25 @@ def test_rounding_onto_e4m3_in_registers_is_the_reference_bit_for_bit():
                               dtype=torch.int32)  # fmt: skip
     tiny = torch.tensor([1, 2**20, 0x007FFFFF, 0x00800000], dtype=torch.int32)  # fp32 subnormals
     x = torch.cat([near, sweep, tiny]).view(torch.float32)
-    x = torch.cat([x, torch.tensor([float("inf")])]).contiguous()
+    x = torch.cat([x, torch.tensor([float("inf"), float("nan")])]).contiguous()
     out = torch.empty_like(x, device=DEVICE)
-    _e4m3_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(DEVICE), out, x.numel(), BLOCK=1024)
-    want = fp4lab.formats.round_to_format(x, fp4lab.formats.get("fp8_e4m3fn"))
-    bad = (out.cpu().view(torch.int32) != want.view(torch.int32)).nonzero()
+    q_lo, q_hi, unit, maxv = flash._grid(fmt)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(DEVICE), out, x.numel(), Q_LO=q_lo,
+                                                   Q_HI=q_hi, UNIT=unit, MAXV=maxv,
+                                                   BLOCK=1024)  # fmt: skip
+    want = fp4lab.formats.round_to_format(x, fmt)
+    out = out.cpu()
+    assert torch.equal(out.isnan(), want.isnan())  # NaN stays NaN (its payload aside)
+    out, want = out.nan_to_num(0.0), want.nan_to_num(0.0)
+    bad = (out.view(torch.int32) != want.view(torch.int32)).nonzero()
     assert bad.numel() == 0, (f"{bad.numel()} differ; x={x[bad[0]].item()!r}: "
                               f"{out[bad[0]].item()!r}, want {want[bad[0]].item()!r}")  # fmt: skip
 
 
-def _e4m3_values() -> torch.Tensor:
-    """The nonnegative finite E4M3 values (e4m3fn: no inf, 0x7F is NaN), ascending."""
-    codes = torch.arange(0, 0x7F, dtype=torch.uint8)
-    return codes.view(torch.float8_e4m3fn).float()
+def _nonnegative_values(fmt) -> torch.Tensor:
+    """Every finite nonnegative value of a float format, ascending (float32)."""
+    values = fmt.values.float()
+    return values[values >= 0]
 
 
 @triton.jit
