@@ -1,0 +1,80 @@
+#!/bin/bash
+# One device call that checks and times the GPU path (benchmarks/GPU_SESSION.md says why each
+# stage is here). Run from the repository root on the GPU machine:
+#
+#     bash benchmarks/gpu_session.sh STAGE... [-- LIMIT_S]
+#
+# stages, in the order given:
+#   tests      tests/kernels/test_flash.py, test_trace.py, test_flash_eden.py compiled
+#              (pytest -v -n 6, so a killed run still names what it finished), then the
+#              failures alone with --tb=long
+#   bwdtests   tests/kernels/test_flash_bwd.py and test_flash_sr.py the same way
+#   forward    the forward bench (kernel alone and the whole call), warmed in 8 shards first
+#   backward   forward plus backward, warmed likewise
+#   trace      the traced forward, warmed likewise
+#   resources  registers, spills, shared memory of the forward kernels
+#   scale      the 131072-token traced forward plus backward (warmed at 4096 tokens first)
+# Everything lands under $OUT/r and is packed into $OUT/r.tgz at the end (at most 8 files come
+# back from a device call). LIMIT_S (default 570) bounds the whole call: a stage that starts
+# gets what is left, and the packing always runs.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_CACHE_DIR=$PWD/results/triton-cache
+STAGES=()
+LIMIT=570
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--" ]; then LIMIT=$2; break; fi
+  STAGES+=("$1"); shift
+done
+T0=$(date +%s)
+O=${OUT:-.}/r
+mkdir -p "$O"
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+log() { echo "$1 at $(( $(date +%s) - T0 )) s" >> "$O/stages.txt"; }
+BENCH="python3 benchmarks/bench_attention_gpu.py"
+warm() {  # eight shards of the same arguments compile side by side
+  local t=$(( $(left) - 30 ))
+  [ $t -lt 10 ] && t=10
+  for i in 0 1 2 3 4 5 6 7; do
+    timeout $t $BENCH "$@" --warm $i/8 --out /tmp/warm$i > "$O/warm$i.log" 2>&1 &
+  done
+  wait
+}
+pytests() {  # $1: log name, then the test files
+  local name=$1; shift
+  timeout $(( $(left) * 2 / 3 )) python3 -m pytest -v -n 6 --tb=no -p no:cacheprovider "$@" \
+    > "$O/$name.log" 2>&1
+  log "$name rc $?"
+  grep -E "FAILED|ERROR" "$O/$name.log" | grep -oE "tests/[^ ]+" | sort -u | head -12 \
+    > "$O/$name.failed"
+  if [ -s "$O/$name.failed" ]; then
+    timeout 120 python3 -m pytest -q --tb=long -p no:cacheprovider $(cat "$O/$name.failed") \
+      > "$O/$name.failed.log" 2>&1
+  fi
+}
+nvidia-smi --query-gpu=name,clocks.max.sm,temperature.gpu --format=csv > "$O/gpu.txt" 2>&1
+FWD="--recipes exact flash_bf16 nvfp4 mxfp4 fa4fp4_causal fa3_fp8 --configs 64x64:4:3 128x128:8:3"
+BWD="--no-kernels --backward --backward-recipes fa4fp4_causal exact nvfp4 fa3_fp8"
+for stage in "${STAGES[@]}"; do
+  [ "$(left)" -lt 40 ] && { log "no time for $stage"; continue; }
+  case $stage in
+    tests) pytests tests tests/kernels/test_flash.py tests/kernels/test_trace.py \
+             tests/kernels/test_flash_eden.py ;;
+    bwdtests) pytests bwdtests tests/kernels/test_flash_bwd.py tests/kernels/test_flash_sr.py ;;
+    forward) warm $FWD; log "forward warm"
+             timeout $(left) $BENCH $FWD --out "$O" > "$O/forward.log" 2>&1; log "forward rc $?" ;;
+    backward) warm $BWD; log "backward warm"
+              timeout $(left) $BENCH $BWD --out "$O" > "$O/backward.log" 2>&1
+              log "backward rc $?" ;;
+    trace) warm --no-kernels --trace; log "trace warm"
+           timeout $(left) $BENCH --no-kernels --trace --out "$O" > "$O/trace.log" 2>&1
+           log "trace rc $?" ;;
+    resources) timeout $(left) python3 benchmarks/kernel_resources.py --out "$O" \
+                 > "$O/resources.log" 2>&1; log "resources rc $?" ;;
+    scale) timeout $(( $(left) / 2 )) $BENCH --no-kernels --scale --warm 0/1 --out /tmp/warms \
+             > "$O/scale_warm.log" 2>&1; log "scale warm rc $?"
+           timeout $(left) $BENCH --no-kernels --scale --out "$O" > "$O/scale.log" 2>&1
+           log "scale rc $?" ;;
+    *) log "unknown stage $stage" ;;
+  esac
+done
+tar czf "${OUT:-.}/r.tgz" -C "${OUT:-.}" r && rm -rf "$O"
