@@ -13,7 +13,9 @@ What exists:
   fields say: the flash, straight-through and forward-exact backwards, and Hadamard-rotated
   operands (Quartet II's MS-EDEN, `croissattn_eden`);
 - `backend`: `fp4lab.attention(..., backend="triton")`, which quantizes Q, K, V (and dO)
-  with `quantize` and runs `flash` and, through autograd, `flash_bwd`;
+  with `quantize` and runs `flash` and, through autograd, `flash_bwd` (their warps and
+  pipeline stages by tile size, `launch_options`);
+- `layout`: V's bytes transposed to the key-major layout FP8 P V reads (`key_major`);
 - `trace`: the per-tile statistics of the forward and the backward (the `flash` and
   `flash_bwd` kernels compiled with their TRACE flag write them to small buffers) as the
   simulation's `Trace` schema, so that `trace=Trace()` fills the same frame on either
