@@ -56,8 +56,8 @@ that size (it would not fit).
 `--warm I/N` compiles shard I of N of the kernels the same arguments would time and times
 nothing: run N of them side by side (each with its own --out), then the timed run, which then
 finds every kernel in the Triton cache (TRITON_CACHE_DIR) instead of compiling them one by
-one. The launch configurations (warps, stages) of the whole calls are swept through
-`fp4lab.kernels.backend.LAUNCH`.
+one. The traced forward's and the backward's launch configurations (warps, stages) are swept
+through `fp4lab.kernels.backend.LAUNCH`.
 """
 
 from __future__ import annotations
@@ -81,8 +81,6 @@ from fp4lab.recipes import Trace, resolve_recipe
 
 SHAPE = dict(B=4, H=16, S=4096, D=128)
 CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
-CALL_LAUNCH = [None]  # the whole call's forward launch configurations (backend.LAUNCH; None:
-# the backend's default, `backend.launch_options`)
 TRACE_LAUNCH = [(4, 2), (8, 3)]  # the traced forward's (warps, stages), at the recipe's tiles
 WARM = None  # (shard, shards) under --warm: compile this shard's kernels, time nothing
 _ITEMS = itertools.count()
@@ -269,31 +267,24 @@ def main() -> None:
                     }
                 )
             # the whole call as a user makes it: Q, K, V quantized by the Triton quantizer, then
-            # the kernel at the recipe's tiles (128 x 128 where it names none), under each
-            # launch configuration (backend.LAUNCH; None: the backend's default)
-            for launch in CALL_LAUNCH:
-                if skip():
-                    continue
-                backend.LAUNCH["forward"] = launch
-                try:
-                    ms = bench(
-                        lambda r=recipe, c=causal: fp4lab.attention(q, k, v, r, causal=c,
-                                                                    backend="triton")
-                    )  # fmt: skip
-                finally:
-                    backend.LAUNCH["forward"] = None
-                emit(
-                    {
-                        "recipe": name,
-                        "causal": causal,
-                        "tiles": "fp4lab.attention" + ("" if launch is None else
-                                                       " w{} s{}".format(*launch)),
-                        "ms": ms,
-                        "tflops": flops / ms / 1e9,
-                        "x_sdpa": sdpa_ms / ms,
-                        "check": float("nan"),
-                    }
-                )
+            # the kernel at the recipe's tiles (128 x 128 where it names none) and the
+            # backend's launch defaults (`backend.launch_options`)
+            if skip():
+                continue
+            ms = bench(
+                lambda r=recipe, c=causal: fp4lab.attention(q, k, v, r, causal=c, backend="triton")
+            )
+            emit(
+                {
+                    "recipe": name,
+                    "causal": causal,
+                    "tiles": "fp4lab.attention",
+                    "ms": ms,
+                    "tflops": flops / ms / 1e9,
+                    "x_sdpa": sdpa_ms / ms,
+                    "check": float("nan"),
+                }
+            )
 
 
 def check_trace(recipe, causal) -> float:

@@ -877,12 +877,12 @@ def _dequantized(v: torch.Tensor, recipe: AttentionRecipe, key: int | None) -> t
 LAUNCH: dict[str, tuple[int, int] | None] = {"forward": None, "backward": None}
 
 
-def launch_options(kind: str, block_m: int, block_n: int) -> dict:
-    """num_warps and num_stages of the `kind` ("forward" or "backward") kernels at these
-    tiles: `LAUNCH[kind]` where set, else the best measured on the H200 (benchmarks/
-    RESULTS.md, 2026-12-02, B4 H16 S4096 D128): 8 warps for 128-row tiles (at 128 x 128 the
-    forward 2.0x faster than at 4 warps and 2 stages, forward plus backward 2.0x to 2.7x), 4
-    below (8 warps there were slower); the forward at 3 stages, the backward at 2 (its
+def launch_options(kind: str, block_m: int) -> dict:
+    """num_warps and num_stages of the `kind` ("forward" or "backward") kernels at query tiles of
+    `block_m` rows: `LAUNCH[kind]` where set, else the best measured on the H200
+    (benchmarks/RESULTS.md, 2026-12-02, B4 H16 S4096 D128): 8 warps for 128-row tiles (at 128 x
+    128 the forward 2.0x faster than at 4 warps and 2 stages, forward plus backward 2.0x to
+    2.7x), 4 below (8 warps there were slower); the forward at 3 stages, the backward at 2 (its
     128 x 128 tiles do not fit 3; `flash.launch_fitting` drops stages that do not fit)."""
     if kind not in LAUNCH:
         raise ValueError(f"kind must be one of {', '.join(LAUNCH)}; got {kind!r}")
@@ -919,7 +919,7 @@ class _TritonAttention(torch.autograd.Function):
             qs, ks, vs_kernel, factors, pq, lse_log2=True, o_prime=o_prime, m_ref=m_ref,
             mean_scores=shift, trace=bufs, out_dtype=None if bufs is None else torch.float32,
             sr_key=_stream(fwd_key, "p"), **tiles, **forward_options(recipe, causal, v),
-            **launch_options("forward", block_m, block_n),
+            **launch_options("forward", block_m),
         )  # fmt: skip
         if trace is not None:
             from fp4lab.kernels.flash import PQuantizer
@@ -928,7 +928,7 @@ class _TritonAttention(torch.autograd.Function):
             (qp, qpf), (kp, kpf), (vp, vpf) = (_plain(x) for x in (q, k, v))
             exact = attention_forward(  # exact attention, for out_err and lse_err
                 qp, kp, vp, (qpf, kpf, vpf), PQuantizer(MODE=0), out_dtype=torch.float32,
-                **tiles, **launch_options("forward", block_m, block_n),
+                **tiles, **launch_options("forward", block_m),
             )  # fmt: skip
             smoothed = None if q_mean is None else (q_src, q_mean)
             cfg = dict(**tiles, mode=pq.MODE)
@@ -968,7 +968,7 @@ class _TritonAttention(torch.autograd.Function):
             scale=scale, block_m=block_m, block_n=block_n, ds_from_dv=recipe.ds_p is DsP.DV_OPERAND,
             m_ref=m_ref if replay else None,
             leakage_block=recipe.leakage_block if replay and recipe.leakage_fix and causal else 0,
-            **launch_options("backward", block_m, block_n),
+            **launch_options("backward", block_m),
         )  # fmt: skip
         if bufs is not None:
             from fp4lab.kernels.trace import record_backward

@@ -766,10 +766,14 @@ def _put_counts(table, clipped, blocks, under, over):
 
 
 @triton.jit
-def _store_stats(stats_ptr, table, N: tl.constexpr):
-    """The tile's statistics, the column sums of its stacked table, into stats_ptr[0:N]."""
+def _store_stats(stats_ptr, table, N: tl.constexpr, more=None):
+    """The tile's statistics, the column sums of its stacked table (plus those of `more`, a
+    table over other rows, where given), into stats_ptr[0:N]."""
     cols = tl.arange(0, 16)
-    tl.store(stats_ptr + cols, tl.sum(table, 0), mask=cols < N)
+    sums = tl.sum(table, 0)
+    if more is not None:
+        sums = sums + tl.sum(more, 0)
+    tl.store(stats_ptr + cols, sums, mask=cols < N)
 
 
 @triton.jit

@@ -503,6 +503,7 @@ def _trace_tile(
         else:
             mag = mag * _row_scales(mag, E_MAX * S_MAX)[:, None]
     table = _put(_stat_columns(x, x_used), tl.sum(tl.where(flushed, x, 0.0), 1), 9)
+    counts = tl.zeros([1, 16], dtype=tl.float32)  # the quantizer's counts over its own rows
     if MODE == 4:  # one FP32 scale t = amax / M_e per tile: its ideal scale stays in range
         a = mag * LIFT
         top = tl.max(tl.max(a, 1), 0)
@@ -514,7 +515,7 @@ def _trace_tile(
         table = _put(table, tl.where(first, (top > 0.0).to(tl.float32), 0.0), 5)
     elif MODE == 5:  # a bf16 cast, saturating
         table = _put(table, tl.sum((mag * LIFT > E_MAX).to(tl.float32), 1), 4)
-    elif TRANS:  # the quantizer's counts over the transposed tile: a table of their own
+    elif TRANS:  # over the transposed tile: its rows are x's columns, a table of their own
         clipped, blocks, under, over = _p_counts(
             tl.trans(mag), tl.trans(z_q), COLS, ROWS, MODE, LIFT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
             S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
@@ -527,11 +528,7 @@ def _trace_tile(
             QBLOCK, RULE, ARITH, TENSOR, EMAX_E, LOG2_ME, UNDER, OVER,
         )  # fmt: skip
         table = _put_counts(table, clipped, blocks, under, over)
-    if TRANS and MODE != 4 and MODE != 5:
-        cols = tl.arange(0, 16)
-        tl.store(stats_ptr + cols, tl.sum(table, 0) + tl.sum(counts, 0), mask=cols < 10)
-    else:
-        _store_stats(stats_ptr, table, 10)
+    _store_stats(stats_ptr, table, 10, counts)
 
 
 # -- the preprocess: D = rowsum(dO * O) -------------------------------------------------------
