@@ -47,7 +47,7 @@ and whether the outputs and gradients are finite; not checked against the simula
 that size (it would not fit).
 
     python benchmarks/bench_attention_gpu.py [--recipes exact nvfp4 ...] [--reference]
-        [--backward [--backward-recipes fa4fp4_causal ...]]
+        [--backward [--backward-recipes fa4fp4_causal ...] [--backward-configs 128x128:8:2 ...]]
         [--trace [--trace-recipes nvfp4 ...]] [--no-kernels] [--out DIR]
         [--gradient-bias [--bias-recipes croissattn ...] [--bias-samples 256]]
         [--scale [--scale-recipes fa4fp4_causal ...]] [--configs 64x64:4:3 ...]
@@ -128,6 +128,18 @@ def check(recipe, causal, block_m, block_n) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def _config(text: str) -> tuple[int, int, int, int]:
+    """(block_m, block_n, warps, stages) of a BMxBN:W:S argument."""
+    try:
+        tiles, warps, stages = text.split(":")
+        bm, bn = tiles.split("x")
+        return int(bm), int(bn), int(warps), int(stages)
+    except ValueError:
+        raise SystemExit(
+            f"a configuration must read BMxBN:W:S (as 128x128:8:3), got {text!r}"
+        ) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -160,17 +172,21 @@ def main() -> None:
         "timed run then compiles nothing",
     )  # fmt: skip
     parser.add_argument(
+        "--backward-configs", nargs="+", metavar="BMxBN:W:S",
+        help="forward plus backward's tiles and the backward kernels' warps and stages "
+        "(default: each of BACKWARD_TILES with each of BACKWARD_LAUNCH)",
+    )  # fmt: skip
+    parser.add_argument(
         "--configs", nargs="+", metavar="BMxBN:W:S",
         help="the kernel-alone forward's tiles, warps and stages (default: CONFIGS)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.configs:
         global CONFIGS
-        CONFIGS = []
-        for text in args.configs:
-            tiles, warps, stages = text.split(":")
-            bm, bn = tiles.split("x")
-            CONFIGS.append((int(bm), int(bn), int(warps), int(stages)))
+        CONFIGS = [_config(text) for text in args.configs]
+    if args.backward_configs:
+        global BACKWARD_CONFIGS
+        BACKWARD_CONFIGS = [_config(text) for text in args.backward_configs]
     if args.warm:
         global WARM
         shard, shards = (int(x) for x in args.warm.split("/"))
@@ -358,6 +374,10 @@ def traced_forward(recipes, out_dir) -> None:
 
 BACKWARD_TILES = [(64, 64), (128, 128)]
 BACKWARD_LAUNCH = [(4, 2), (8, 2)]  # the backward kernels' (warps, stages) (backend.LAUNCH)
+# (block_m, block_n, warps, stages) that forward_backward times: --backward-configs, else each
+# tile size with each launch
+BACKWARD_CONFIGS = [(bm, bn, w, st) for (bm, bn), (w, st)
+                    in itertools.product(BACKWARD_TILES, BACKWARD_LAUNCH)]  # fmt: skip
 
 
 def gradients(recipe, q, k, v, do, causal, block_m, block_n, backend_name="triton"):
@@ -418,7 +438,8 @@ def forward_backward(recipes, out_dir) -> None:
                   tflops=flops / sdpa_ms / 1e9, x_sdpa=1.0, check=0.0))  # fmt: skip
         for name in recipes:
             recipe = resolve_recipe(name)
-            for (bm, bn), launch in itertools.product(BACKWARD_TILES, BACKWARD_LAUNCH):
+            for bm, bn, *launch in BACKWARD_CONFIGS:
+                launch = tuple(launch)
                 if skip():
                     continue
                 row = dict(recipe=name, causal=causal,

@@ -5,9 +5,11 @@
 #     bash benchmarks/gpu_session.sh STAGE... [-- LIMIT_S]
 #
 # stages, in the order given:
-#   tests      tests/kernels/test_flash.py, test_trace.py, test_flash_eden.py compiled
-#              (pytest -v -n 6, so a killed run still names what it finished), then the
-#              failures alone with --tb=long
+#   tests      tests/kernels/test_flash.py and test_trace.py compiled (pytest -v -n 6, so a
+#              killed run still names what it finished), then the failures alone with
+#              --tb=long
+#   eden       tests/kernels/test_flash_eden.py the same way (its rotated backward compiles
+#              for minutes)
 #   bwdtests   tests/kernels/test_flash_bwd.py and test_flash_sr.py the same way
 #   forward    the forward bench (kernel alone and the whole call), warmed in 8 shards first
 #   backward   forward plus backward, warmed likewise
@@ -53,12 +55,14 @@ pytests() {  # $1: log name, then the test files
 }
 nvidia-smi --query-gpu=name,clocks.max.sm,temperature.gpu --format=csv > "$O/gpu.txt" 2>&1
 FWD="--recipes exact flash_bf16 nvfp4 mxfp4 fa4fp4_causal fa3_fp8 --configs 64x64:4:3 128x128:8:3"
-BWD="--no-kernels --backward --backward-recipes fa4fp4_causal exact nvfp4 fa3_fp8"
+# the backward's warm-up of four recipes at four configurations took 459 s (2026-12-02): two
+# of each
+BWD="--no-kernels --backward --backward-recipes fa4fp4_causal exact --backward-configs 64x64:4:2 128x128:8:2"
 for stage in "${STAGES[@]}"; do
   [ "$(left)" -lt 40 ] && { log "no time for $stage"; continue; }
   case $stage in
-    tests) pytests tests tests/kernels/test_flash.py tests/kernels/test_trace.py \
-             tests/kernels/test_flash_eden.py ;;
+    tests) pytests tests tests/kernels/test_flash.py tests/kernels/test_trace.py ;;
+    eden) pytests eden tests/kernels/test_flash_eden.py ;;
     bwdtests) pytests bwdtests tests/kernels/test_flash_bwd.py tests/kernels/test_flash_sr.py ;;
     forward) warm $FWD; log "forward warm"
              timeout $(left) $BENCH $FWD --out "$O" > "$O/forward.log" 2>&1; log "forward rc $?" ;;

@@ -36,8 +36,10 @@ def compiled(kernel) -> dict:
     return kernel.device_caches[torch.cuda.current_device()][0]
 
 
-def resources(kernel, **labels) -> dict:
-    """One compiled kernel's registers, spills, shared memory and code counts."""
+def resources(compiled_kernel, **labels) -> dict:
+    """One compiled kernel's registers, spills, shared memory and code counts (`labels`, which
+    may name the kernel, first)."""
+    kernel = compiled_kernel
     ttgir, ptx = kernel.asm.get("ttgir", ""), kernel.asm.get("ptx", "")
     return dict(
         **labels, registers=kernel.n_regs, spills=kernel.n_spills,

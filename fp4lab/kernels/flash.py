@@ -123,12 +123,22 @@ FP_FUSION = False
 
 
 def _hardware_e4m3() -> bool:
-    """Whether compiled kernels round onto E4M3 by the GPU's own conversion: fp32 to E4M3 by
-    `cvt.rn.satfinite.e4m3x2.f32` (sm_89 and later: to nearest even, saturating at 448, NaN
-    kept), which is the reference's rounding (`fp4lab.formats.round_to_format`, checked on
-    every E4M3 boundary by tests/kernels/test_flash.py). Not under Triton's interpreter, whose
-    conversion to fp8 rounds half away from zero and does not saturate: there `_round`'s
-    arithmetic runs."""
+    """Whether compiled kernels cast an FP8 P^ that enters the FP8 tensor cores straight from
+    fp32 by the GPU's own conversion, `cvt.rn.satfinite.e4m3x2.f32` (sm_89 and later: to
+    nearest even, saturating at 448, NaN kept: the reference's rounding,
+    `fp4lab.formats.round_to_format`), in place of `_round`'s arithmetic and an exact cast.
+    Not under Triton's interpreter, whose conversion to fp8 rounds half away from zero and
+    does not saturate, nor with FP4LAB_HW_E4M3=0.
+
+    Only that one cast: `_round` never converts to fp8 and back. On the H200 (triton 3.6,
+    2026-12-02) the round trip was the reference's on every E4M3 boundary in a 1-D kernel,
+    but inside the traced forward, on P's tile as the score dot leaves it, P^'s statistics
+    came out wrong (fa4fp4_causal's pv a_err 0.81 where the simulation's is 0.026, a sixteenth
+    of a non-causal tile's P flushed); with `_round`'s arithmetic they were the simulation's,
+    and the output that took the direct cast was as far from the simulation (1.6e-3) as with
+    the arithmetic (benchmarks/RESULTS.md, "E4M3 by the GPU's conversion")."""
+    if os.environ.get("FP4LAB_HW_E4M3", "1") == "0":
+        return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability() >= (8, 9)
@@ -149,12 +159,9 @@ def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: 
     _rint's magic number needs no range check. Where the format's largest quantum times
     1.5 2^23 stays finite (Q_HI UNIT <= 2^103), the division is folded into the magic number
     instead: (x + M) - M with M = 1.5 2^23 quantum, whose ulp is the quantum, rounds x to
-    the nearest even multiple of it, the same value in three operations fewer. E4M3's grid,
-    compiled for a GPU with the conversion (`HW_E4M3`), is one hardware rounding there and
-    back, the same values. Saturation keeps NaN, as the reference's clamp does (compiled, a
-    plain tl.minimum(NaN, MAXV) may give MAXV)."""
-    if HW_E4M3 and Q_LO == 0.015625 and Q_HI == 512.0 and UNIT == 0.125 and MAXV == 448.0:
-        return x.to(tl.float8e4nv).to(tl.float32)
+    the nearest even multiple of it, the same value in three operations fewer. Saturation
+    keeps NaN, as the reference's clamp does (compiled, a plain tl.minimum(NaN, MAXV) may
+    give MAXV). No fp8 round trip (see `_hardware_e4m3`)."""
     if Q_HI * UNIT <= 1.0141204801825835e31:  # 2^103
         binade = (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
         magic = tl.minimum(tl.maximum(binade, Q_LO), Q_HI) * (UNIT * 12582912.0)
@@ -1215,7 +1222,7 @@ def _attn_fwd(
 # fmt: on
 
 
-def _accumulate_in_dot(pq: PQuantizer, per_tile: bool) -> dict:
+def _accumulate_in_dot(pq: PQuantizer, per_tile: bool, fp8: bool) -> dict:
     """ACC_DOT and ACC_FACTOR: whether the tile's P^ V^ accumulates inside its `tl.dot` (as
     Triton's fused-attention tutorial does: acc = dot(P, V, alpha acc), no second fp32 tile
     in registers) with acc in units of the tile factor, applied once at the end. Only where
@@ -1223,8 +1230,16 @@ def _accumulate_in_dot(pq: PQuantizer, per_tile: bool) -> dict:
     two-level P's row scales, or what needs each tile's own product (`per_tile`: O', the
     trace, per-tile operand factors, the leakage fix's diagonal terms). The result differs
     from the per-tile product's only by rounding order (the factor is a power of two or
-    1/M_e, applied once rather than per tile)."""
-    if per_tile or pq.TENSOR or pq.MODE == 6:
+    1/M_e, applied once rather than per tile). Not where P^ and V^ meet on the FP8 tensor
+    cores (`fp8`): their accumulator keeps fewer bits than fp32 (DeepSeek-V3's report puts it
+    near 14), so the running output inside the dot loses what an fp32 sum keeps. On the
+    H200 (2026-12-02) it moved fa4fp4_causal's output from 5.9e-4 of the simulation's to
+    1.6e-3 (benchmarks/RESULTS.md, "E4M3 by the GPU's conversion"); the recipes ask for fp32
+    accumulation, so there each tile's product starts from zero and is added in fp32 (as
+    DeepSeek-V3 promotes its FP8 partial sums). FlashAttention-3's FP8 kernel does
+    accumulate O inside its wgmma (hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp, zero_init
+    false), which this kernel does not model."""
+    if per_tile or fp8 or pq.TENSOR or pq.MODE == 6:
         return {}
     if pq.MODE == 3:  # Direct-P's values are u / M_e, its factor 1 / E_MAX
         factor = 1.0 / pq.ELEM[3]
@@ -1517,7 +1532,7 @@ def attention_forward(
         SMOOTH_Q=mean_scores is not None, TILE_SCOPE=tile_scope, P_SHIFT=pq.shift,
         LEAK_PARTS=_LEAK_PARTS[leakage_parts],
         **_accumulate_in_dot(pq, o_prime is not None or trace is not None or tile_scope
-                             or leakage_block > 0),
+                             or leakage_block > 0, v.dtype == torch.float8_e4m3fn),
         **instrument,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -514,9 +514,9 @@ def _round_kernel(X, Out, N, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.co
 
 @pytest.mark.parametrize("name", ["fp8_e4m3fn", "fp4_e2m1", "fp8_e5m2"])
 def test_rounding_onto_a_grid_in_registers_is_the_reference_bit_for_bit(name):
-    # `_round`: for E4M3 compiled on an sm_89+ GPU the hardware conversion (flash.HW_E4M3),
-    # else the magic-number arithmetic. Every value of the format and every midpoint (where a
-    # tie rounds to even) with its 64 fp32 neighbours on each side, subnormals of both
+    # `_round`'s magic-number arithmetic (on every grid, compiled or not). Every value of the
+    # format and every midpoint (where a tie rounds to even) with its 64 fp32 neighbours on
+    # each side, subnormals of both
     # formats, values past the maximum, inf (saturating) and NaN (kept), and on a GPU every
     # 7th fp32 bit pattern up to 512 (a sample of 2^16 under the interpreter)
     fmt = fp4lab.formats.get(name)
@@ -546,6 +546,63 @@ def test_rounding_onto_a_grid_in_registers_is_the_reference_bit_for_bit(name):
     bad = (out.view(torch.int32) != want.view(torch.int32)).nonzero()
     assert bad.numel() == 0, (f"{bad.numel()} differ; x={x[bad[0]].item()!r}: "
                               f"{out[bad[0]].item()!r}, want {want[bad[0]].item()!r}")  # fmt: skip
+
+
+@triton.jit
+def _e4m3_cast_kernel(X, Hi, Mid, Lo, Back, Out, FROM_DOT: tl.constexpr, BLOCK: tl.constexpr):
+    rows, cols = tl.arange(0, BLOCK)[:, None], tl.arange(0, BLOCK)[None, :]
+    offs = tl.program_id(0) * BLOCK * BLOCK + rows * BLOCK + cols
+    if FROM_DOT:  # x rebuilt as the score dot leaves a tile: its three bf16 parts times I
+        eye = (rows == cols).to(tl.bfloat16)
+        x = tl.dot(tl.load(Hi + offs), eye)
+        x = tl.dot(tl.load(Mid + offs), eye, x)
+        x = tl.dot(tl.load(Lo + offs), eye, x)
+    else:
+        x = tl.load(X + offs)
+    tl.store(Back + offs, x)
+    tl.store(Out + offs, x.to(tl.float8e4nv))
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not flash.HW_E4M3,
+                    reason="the GPU's E4M3 conversion (flash.HW_E4M3): sm_89 and later, compiled")
+@pytest.mark.parametrize("from_dot", [False, True], ids=["loaded", "from-a-dot"])
+def test_the_gpus_e4m3_cast_of_p_is_the_reference_bit_for_bit(from_dot):
+    # the one hardware cast the kernels use (FP8 P^ into the FP8 dot, `_hardware_e4m3`),
+    # stored as bytes and widened by torch, on a tile loaded from memory and on one in the
+    # layout a tl.dot leaves (where an fp8 round trip in registers went wrong, 2026-12-02):
+    # every E4M3 value and midpoint with 64 fp32 neighbours each side, past the maximum, and
+    # every 7th fp32 pattern up to 512 (loaded: also inf and NaN, which a dot by I cannot
+    # carry, and fp32 subnormals)
+    fmt = fp4lab.formats.get("fp8_e4m3fn")
+    grid = _nonnegative_values(fmt)
+    points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([470.0, 500.0, 1e30])])
+    near = points.view(torch.int32)[:, None] + torch.arange(-64, 65, dtype=torch.int32)
+    parts = [near.flatten().clamp(min=0), torch.arange(0, 0x44000000, 7, dtype=torch.int32)]
+    if not from_dot:
+        parts.append(torch.tensor([1, 2**20, 0x007FFFFF, 0x7F800000, 0x7FC00000],
+                                  dtype=torch.int32))  # fmt: skip
+    x = torch.cat(parts).view(torch.float32)
+    if from_dot:  # bf16 parts stay exact (and the tensor cores' sums with them) above 2^-100
+        x = x[x >= 2.0**-100]
+    block = 64
+    x = torch.cat([x, x[: -x.numel() % (block * block)]]).contiguous()
+    hi = x.to(torch.bfloat16)
+    mid = (x - hi.float()).to(torch.bfloat16)
+    lo = (x - hi.float() - mid.float()).to(torch.bfloat16)
+    assert torch.equal(hi.float() + mid.float() + lo.float(), x.nan_to_num(0.0)) or not from_dot
+    x_d, hi_d, mid_d, lo_d = (t.to(DEVICE) for t in (x, hi, mid, lo))
+    back = torch.empty_like(x_d)
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+    _e4m3_cast_kernel[(x.numel() // (block * block),)](x_d, hi_d, mid_d, lo_d, back, out,
+                                                      FROM_DOT=from_dot, BLOCK=block)  # fmt: skip
+    assert torch.equal(back.cpu().view(torch.int32), x.view(torch.int32))  # the tile is x
+    got = out.cpu().float()
+    want = fp4lab.formats.round_to_format(x, fmt)
+    assert torch.equal(got.isnan(), want.isnan())
+    got, want = got.nan_to_num(0.0), want.nan_to_num(0.0)
+    bad = (got.view(torch.int32) != want.view(torch.int32)).nonzero()
+    assert bad.numel() == 0, (f"{bad.numel()} differ; x={x[bad[0]].item()!r}: "
+                              f"{got[bad[0]].item()!r}, want {want[bad[0]].item()!r}")  # fmt: skip
 
 
 def _nonnegative_values(fmt) -> torch.Tensor:
@@ -712,3 +769,17 @@ def test_direct_p_affine_code_map_is_the_simulations(groups, causal):
     without = reference_attention(q, k, v, plain, causal=causal, **tiles)
     assert rel(got, want) <= BUDGET
     assert rel(without, want) > 10 * BUDGET  # the affine blocks move the output
+
+
+def test_p_v_accumulates_inside_the_dot_only_off_the_fp8_tensor_cores():
+    # an FP8 dot's accumulator keeps fewer bits than fp32 (on the H200 in-dot accumulation put
+    # fa4fp4_causal's output 2.7x further from the simulation): there each tile's product is
+    # added in fp32; a bf16 dot accumulates in fp32 and takes the whole row of tiles
+    fp8_p = triton_backend.p_quantizer(resolve_recipe("fa3_fp8"))
+    assert flash._accumulate_in_dot(fp8_p, per_tile=False, fp8=True) == {}
+    assert flash._accumulate_in_dot(fp8_p, per_tile=False, fp8=False) == dict(
+        ACC_DOT=True, ACC_FACTOR=1.0 / fp8_p.LIFT
+    )
+    assert flash._accumulate_in_dot(fp8_p, per_tile=True, fp8=False) == {}  # a trace, O', ...
+    nvfp4_p = triton_backend.p_quantizer(resolve_recipe("nvfp4"))  # a tensor scale per tile
+    assert flash._accumulate_in_dot(nvfp4_p, per_tile=False, fp8=False) == {}
