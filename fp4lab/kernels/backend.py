@@ -111,6 +111,13 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _kernel_device(x: torch.Tensor) -> bool:
+    """Whether the kernels take x where it is (`fp4lab.kernels.quantize._kernel_device`)."""
+    from fp4lab.kernels.quantize import _kernel_device as takes
+
+    return takes(x)
+
+
 def _store_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the kernel reads operands in: bf16 on the GPU (exact for the quantized
     values); fp32 under the interpreter, whose bf16 dot product is wrong (Triton 3.9)."""
@@ -296,7 +303,7 @@ def _check_call(q, k, v, trace, attn_mask) -> None:
             raise ValueError(
                 f"{name} must be 4-D (batch, heads, seq, head_dim), got {tuple(x.shape)}"
             )
-        if x.device.type != "cuda" and not _interpreted():
+        if not _kernel_device(x):
             raise ValueError(
                 f"{name} is on {x.device}: the Triton kernels run on a CUDA device "
                 "(or under TRITON_INTERPRET=1); use backend='reference' elsewhere"

@@ -1136,6 +1136,13 @@ def attention_backward(
         TILE_SCOPE=tile_scope, enable_fp_fusion=FP_FUSION,
     )
     lse = ops.lse.contiguous()
+    if had is not None:
+        # a rotated backward starts at one stage: compiled for sm_90 (triton 3.6,
+        # benchmarks/compile_offline.py, croissattn_eden at 128 x 128 and 8 warps) its dK/dV
+        # kernel takes 459776 bytes of shared memory at two stages and 229376 at one, where
+        # an H200 block has 232448; `launch_fitting` would get there only after a compile
+        # (90 s here on 2 cores) that cannot load
+        num_stages = 1
     common = dict(
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         DS_FROM_DV=ds_from_dv, TILE_SCOPE=tile_scope, HAD_N=had_n, num_warps=num_warps,

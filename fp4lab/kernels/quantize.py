@@ -1112,6 +1112,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+def _kernel_device(x: torch.Tensor) -> bool:
+    """Whether the kernels take x where it is: on a CUDA device, or anywhere under the
+    interpreter (benchmarks/compile_offline.py, which compiles without launching, says
+    anywhere)."""
+    return x.device.type == "cuda" or _interpreting()
+
+
 @contextlib.contextmanager
 def _interpreted_helpers():
     """This module's device functions (and Philox's) as interpreted functions while an
@@ -1201,7 +1208,7 @@ def _check_x(x) -> None:
     if x.dtype not in _KINDS:
         raise TypeError(f"x must be float32, bfloat16 or float16 for the Triton kernels, got "
                         f"{x.dtype} (float64 runs on fp4lab.formats' reference path)")
-    if x.device.type != "cuda" and not _interpreting():
+    if not _kernel_device(x):
         raise ValueError(f"x is on {x.device}: the Triton kernels need a CUDA tensor (or "
                          f"Triton's interpreter, TRITON_INTERPRET=1, for CPU tensors)")
     if x.ndim == 0 or x.numel() == 0:
