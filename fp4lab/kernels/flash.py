@@ -136,7 +136,10 @@ def _hardware_e4m3() -> bool:
     came out wrong (fa4fp4_causal's pv a_err 0.81 where the simulation's is 0.026, a sixteenth
     of a non-causal tile's P flushed); with `_round`'s arithmetic they were the simulation's,
     and the output that took the direct cast was as far from the simulation (1.6e-3) as with
-    the arithmetic (benchmarks/RESULTS.md, "E4M3 by the GPU's conversion")."""
+    the arithmetic (benchmarks/RESULTS.md, "E4M3 by the GPU's conversion"). What went wrong
+    was not found; a candidate, not verified: the round trip's cast and the dot's were the
+    same expression (P LIFT to fp8), so the compiler may have made one fp8 tile and moved it
+    between layouts for the other use."""
     if os.environ.get("FP4LAB_HW_E4M3", "1") == "0":
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
@@ -976,7 +979,7 @@ def _fwd_inner(
                 vt = tl.load(vt_ptrs)
             if (HW_E4M3 and MODE == 1 and EQ_LO == 0.015625 and EQ_HI == 512.0
                     and E_UNIT == 0.125 and E_MAX == 448.0 and not (MASKED and LEAK > 0)):
-                p8 = (p_q * LIFT).to(vt.dtype)  # P^ in one hardware rounding (`_round`'s)
+                p8 = (p_q * LIFT).to(vt.dtype)  # one hardware rounding (`_hardware_e4m3`)
             else:
                 p8 = p_hat.to(vt.dtype)  # exact: P^ lies on E4M3's grid
             pv = tl.dot(p8, tl.trans(vt), pv)
