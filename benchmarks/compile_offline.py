@@ -145,7 +145,10 @@ def _config(text: str) -> tuple[int, int, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipes", nargs="+", default=["fa4fp4_causal", "nvfp4"])
-    parser.add_argument("--tiles", nargs="+", default=["128x128:8:3"], metavar="BMxBN:W:S")
+    parser.add_argument(
+        "--tiles", nargs="+", default=["128x128:8:3"], metavar="BMxBN:W:S",
+        help="tiles, warps and the forward's stages (the backward's: at most 2, its default)",
+    )  # fmt: skip
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--trace", action="store_true", help="the traced kernels instead")
     parser.add_argument("--backward", action="store_true", help="the backward's kernels too")
