@@ -45,6 +45,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention_gpu import _config  # noqa: E402  (BMxBN:W:S, as the bench reads it)
+
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 H200_SHARED_BYTES = 232448  # dynamic shared memory a block may take on sm_90 (227 KiB)
 
@@ -131,15 +134,6 @@ def compile_only(arch: int = 90):
         JITFunction.run, quantize._kernel_device = saved_run, saved_device
         quantize._run_planned = saved_planned
         triton.runtime.driver._active = saved_driver
-
-
-def _config(text: str) -> tuple[int, int, int, int]:
-    try:
-        tiles, warps, stages = text.split(":")
-        bm, bn = tiles.split("x")
-        return int(bm), int(bn), int(warps), int(stages)
-    except ValueError:
-        raise SystemExit(f"--tiles must read BMxBN:W:S (as 128x128:8:3), got {text!r}") from None
 
 
 def main() -> None:
