@@ -438,8 +438,8 @@ def forward_backward(recipes, out_dir) -> None:
                   tflops=flops / sdpa_ms / 1e9, x_sdpa=1.0, check=0.0))  # fmt: skip
         for name in recipes:
             recipe = resolve_recipe(name)
-            for bm, bn, *launch in BACKWARD_CONFIGS:
-                launch = tuple(launch)
+            for bm, bn, warps, stages in BACKWARD_CONFIGS:
+                launch = (warps, stages)
                 if skip():
                     continue
                 row = dict(recipe=name, causal=causal,

@@ -157,7 +157,7 @@ def main() -> None:
     import fp4lab
     from fp4lab.kernels import backend, flash
 
-    flash.HW_E4M3 = tl.constexpr(args.arch >= 89)  # as `_hardware_e4m3` decides on a GPU
+    flash.HW_E4M3 = tl.constexpr(flash._hardware_e4m3(divmod(args.arch, 10)))  # as on the GPU
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 2, args.seq, 128, generator=g).bfloat16() for _ in range(4))
     rows = []

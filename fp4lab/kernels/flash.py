@@ -122,7 +122,7 @@ MODE_BF16 = 5  # PQuantizer's mode of a cast to bf16 (forward and backward)
 FP_FUSION = False
 
 
-def _hardware_e4m3() -> bool:
+def _hardware_e4m3(capability: tuple[int, int] | None = None) -> bool:
     """Whether compiled kernels cast an FP8 P^ that enters the FP8 tensor cores straight from
     fp32 by the GPU's own conversion, `cvt.rn.satfinite.e4m3x2.f32` (sm_89 and later: to
     nearest even, saturating at 448, NaN kept: the reference's rounding,
@@ -142,9 +142,11 @@ def _hardware_e4m3() -> bool:
     between layouts for the other use."""
     if os.environ.get("FP4LAB_HW_E4M3", "1") == "0":
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability() >= (8, 9)
+    if capability is None:  # this process's device (`capability`: a target compiled for)
+        if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+            return False
+        capability = torch.cuda.get_device_capability()
+    return tuple(capability) >= (8, 9)
 
 
 HW_E4M3 = tl.constexpr(_hardware_e4m3())
@@ -1512,6 +1514,7 @@ def attention_forward(
         under, over = _scale_bounds(pq)
         instrument = dict(TRACE=True, N_STATS=len(FORWARD_STATS), UNDER=under, OVER=over)
     spare = lse  # a pointer for the buffers an uninstrumented kernel never touches
+    pv_fp8 = v.dtype == torch.float8_e4m3fn
     # fmt: off
     launch_fitting(_attn_fwd, grid, (
         q, k, v, v_plain, o, o if o_prime is None else o_prime, lse,
@@ -1524,7 +1527,7 @@ def attention_forward(
         H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E, *sr_table), dict(
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, REVERSE=reverse,
         LAZY=lazy_log2 is not None, LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized,
-        PV_FP8=v.dtype == torch.float8_e4m3fn,
+        PV_FP8=pv_fp8,
         MODE=pq.MODE, LIFT=pq.LIFT, EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2],
         E_MAX=pq.ELEM[3], SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2],
         S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
@@ -1535,7 +1538,7 @@ def attention_forward(
         SMOOTH_Q=mean_scores is not None, TILE_SCOPE=tile_scope, P_SHIFT=pq.shift,
         LEAK_PARTS=_LEAK_PARTS[leakage_parts],
         **_accumulate_in_dot(pq, o_prime is not None or trace is not None or tile_scope
-                             or leakage_block > 0, v.dtype == torch.float8_e4m3fn),
+                             or leakage_block > 0, pv_fp8),
         **instrument,
         num_warps=num_warps,
         num_stages=num_stages,
