@@ -14,6 +14,9 @@
 #   forward    the forward bench (kernel alone and the whole call), warmed in 8 shards first
 #   backward   forward plus backward, warmed likewise
 #   trace      the traced forward, warmed likewise
+#   nohw       the FP8 recipes' forward again with FP4LAB_HW_E4M3=0 (the hardware cast's own
+#              gain; the flag is read at import, so its own process), into nohw/
+#   gradbias   gradient_bias's 256 samples on the kernels, into gradbias/
 #   resources  registers, spills, shared memory of the forward kernels
 #   scale      the 131072-token traced forward plus backward (warmed at 4096 tokens first)
 # Everything lands under $OUT/r and is packed into $OUT/r.tgz at the end (at most 8 files come
@@ -72,6 +75,11 @@ for stage in "${STAGES[@]}"; do
     trace) warm --no-kernels --trace; log "trace warm"
            timeout $(left) $BENCH --no-kernels --trace --out "$O" > "$O/trace.log" 2>&1
            log "trace rc $?" ;;
+    nohw) FP4LAB_HW_E4M3=0 timeout $(left) $BENCH --recipes fa4fp4_causal fa3_fp8 \
+            --configs 64x64:4:3 128x128:8:3 --out "$O/nohw" > "$O/nohw.log" 2>&1
+          log "nohw rc $?" ;;
+    gradbias) timeout $(left) $BENCH --no-kernels --gradient-bias --out "$O/gradbias" \
+                > "$O/gradbias.log" 2>&1; log "gradbias rc $?" ;;
     resources) timeout $(left) python3 benchmarks/kernel_resources.py --out "$O" \
                  > "$O/resources.log" 2>&1; log "resources rc $?" ;;
     scale) timeout $(( $(left) / 2 )) $BENCH --no-kernels --scale --warm 0/1 --out /tmp/warms \

@@ -152,6 +152,20 @@ def _hardware_e4m3(capability: tuple[int, int] | None = None) -> bool:
 HW_E4M3 = tl.constexpr(_hardware_e4m3())
 
 
+def _hardware_bf16() -> bool:
+    """Whether compiled kernels round P onto bf16's grid by the GPU's own conversion
+    (`cvt.rn.bf16x2.f32`: to nearest even, subnormals kept, NaN kept; the dot's operand cast
+    itself) rather than on its bits (`_bfloat16_round`, six operations an element): not under
+    Triton's interpreter, whose conversion to bf16 truncates and flushes subnormals
+    (triton 3.9, checked 2026-12-02), nor with FP4LAB_HW_BF16=0."""
+    if os.environ.get("FP4LAB_HW_BF16", "1") == "0":
+        return False
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+HW_BF16 = tl.constexpr(_hardware_bf16())
+
+
 # -- device functions: rounding onto a format's grid, and P's block scales -------------------------
 @triton.jit
 def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: tl.constexpr):
@@ -164,15 +178,30 @@ def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: 
     _rint's magic number needs no range check. Where the format's largest quantum times
     1.5 2^23 stays finite (Q_HI UNIT <= 2^103), the division is folded into the magic number
     instead: (x + M) - M with M = 1.5 2^23 quantum, whose ulp is the quantum, rounds x to
-    the nearest even multiple of it, the same value in three operations fewer. Saturation
-    keeps NaN, as the reference's clamp does (compiled, a plain tl.minimum(NaN, MAXV) may
-    give MAXV). No fp8 round trip (see `_hardware_e4m3`)."""
+    the nearest even multiple of it, the same value in three operations fewer; there x
+    saturates first, which needs no upper clamp on the quantum (the comment below says why
+    that is the same value). Saturation keeps NaN, as the reference's clamp does (compiled,
+    a plain tl.minimum(NaN, MAXV) may give MAXV). No fp8 round trip (see
+    `_hardware_e4m3`)."""
     if Q_HI * UNIT <= 1.0141204801825835e31:  # 2^103
-        binade = (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-        magic = tl.minimum(tl.maximum(binade, Q_LO), Q_HI) * (UNIT * 12582912.0)
-        return tl.minimum((x + magic) - magic, MAXV, propagate_nan=tl.PropagateNan.ALL)
+        # saturating first is the same: MAXV lies on the grid and rounding is monotone, so
+        # rounding min(x, MAXV) gives min(rounded x, MAXV); and min(x, MAXV)'s binade is
+        # below Q_HI, so the quantum needs no upper clamp (one operation fewer)
+        y = tl.minimum(x, MAXV, propagate_nan=tl.PropagateNan.ALL)
+        binade = (y.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        magic = tl.maximum(binade, Q_LO) * (UNIT * 12582912.0)
+        return (y + magic) - magic
     quantum, inverse = _quantum(x, Q_LO, Q_HI, UNIT)
     return tl.minimum(_rint(x * inverse) * quantum, MAXV, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _bf16_grid(x):
+    """x (fp32) rounded to nearest even onto bf16's grid, as fp32 (`_hardware_bf16`: the GPU's
+    conversion and back, which a following cast to bf16 undoes for free)."""
+    if HW_BF16:
+        return x.to(tl.bfloat16).to(tl.float32)
+    return _bfloat16_round(x)
 
 
 @triton.jit
@@ -574,11 +603,11 @@ def _quantize_p(
         return x, 1.0 / LIFT
     if MODE == 1:
         return _round(x, EQ_LO, EQ_HI, E_UNIT, E_MAX), 1.0 / LIFT
-    if MODE == 5:  # bf16: the mantissa rounded to 7 bits, to nearest even, saturating
-        return tl.minimum(_bfloat16_round(x), E_MAX, propagate_nan=tl.PropagateNan.ALL), 1.0 / LIFT
+    if MODE == 5:  # bf16: saturating (first: the same value, see `_round`), to nearest even
+        return _bf16_grid(tl.minimum(x, E_MAX, propagate_nan=tl.PropagateNan.ALL)), 1.0 / LIFT
     blocks = tl.reshape(x, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
     amax = tl.max(blocks, axis=2)
-    A = tl.max(tl.max(x, axis=1), axis=0)
+    A = tl.max(tl.max(amax, axis=1), axis=0)  # the tile's amax, from its blocks'
     store, factor, divisor, decode = _block_scales(
         amax,
         A,
@@ -728,7 +757,7 @@ def _p_counts(
         xb = tl.reshape(x, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
         amax = tl.max(xb, axis=2)
         store, factor, divisor, decode = _block_scales(
-            amax, tl.max(tl.max(x, axis=1), axis=0), E_MAX, 1.0 / E_MAX, SQ_LO, SQ_HI, S_UNIT,
+            amax, tl.max(tl.max(amax, axis=1), axis=0), E_MAX, 1.0 / E_MAX, SQ_LO, SQ_HI, S_UNIT,
             S_MAX, E_LO, E_HI, RULE, ARITH, TENSOR, EMAX_E,
         )  # fmt: skip
         scaled = _scaled_blocks(xb, factor, divisor, RULE, ARITH, S_UNIT, SQ_LO)
@@ -997,9 +1026,14 @@ def _fwd_inner(
                 pv = _dot_16_bits(p_hat, v, pv)
             else:
                 pv = tl.dot(p_hat.to(v.dtype), v, pv)
+        # the tile factor and the running rescale in one fma (acc alpha + pv factor, the
+        # product unrounded: the same value where the factor is a power of two) where nothing
+        # below takes the tile's product on its own
+        FOLD: tl.constexpr = not ACC_DOT and MODE != 6 and not (MASKED and LEAK > 0) and (
+            not TILE_SCOPE and not TRACE)
         if ACC_DOT:
             acc = pv
-        else:
+        elif not FOLD:
             pv = pv * factor
         if MODE == 6:  # P^ = q(r P) / r: the rows' products divided by their scales
             pv = tl.div_rn(pv, r[:, None])
@@ -1022,7 +1056,12 @@ def _fwd_inner(
                 acc_p = acc_p * alpha[:, None] + pv_p
         if TRACE:  # the product's NaNs per row, so that its tile dies with the update below
             pv_nan = tl.sum((pv != pv).to(tl.float32), 1)
-        if not ACC_DOT:
+        if FOLD:
+            if FIXED:
+                acc = tl.fma(pv, factor, acc)
+            else:
+                acc = tl.fma(pv, factor, acc * alpha[:, None])
+        elif not ACC_DOT:
             if FIXED:
                 acc = acc + pv
             else:

@@ -127,6 +127,7 @@ from fp4lab.kernels.flash import (
     LOG2E,
     MODE_BF16,
     PQuantizer,
+    _bf16_grid,
     _direct_p,
     _grid,
     _p_counts,
@@ -412,8 +413,8 @@ def _quantize_tile(
         scaled = tl.where(t == 0.0, 0.0, tl.div_rn(a, tl.where(t == 0.0, 1.0, t)))
         values = _round(scaled, EQ_LO, EQ_HI, E_UNIT, E_MAX)
         factor = tl.max(tl.max(t, 1), 0) * (1.0 / LIFT)
-    elif MODE == 5:  # bf16, rounded on its bits to nearest even, saturating
-        values = tl.minimum(_bfloat16_round(mag * LIFT), E_MAX, propagate_nan=tl.PropagateNan.ALL)
+    elif MODE == 5:  # bf16, saturating (first: the same value, see `_round`), to nearest even
+        values = _bf16_grid(tl.minimum(mag * LIFT, E_MAX, propagate_nan=tl.PropagateNan.ALL))
         factor = 1.0 / LIFT
     elif MODE == 7:  # MS-EDEN on the signed (rotated) x; its magnitudes, the sign below
         if TRANS:

@@ -606,6 +606,51 @@ def test_the_gpus_e4m3_cast_of_p_is_the_reference_bit_for_bit(from_dot):
                               f"{got[bad[0]].item()!r}, want {want[bad[0]].item()!r}")  # fmt: skip
 
 
+@triton.jit
+def _bf16_grid_kernel(X, Out, Cast, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < N
+    x = tl.load(X + offs, mask=inside, other=0.0)
+    y = flash._bf16_grid(x)
+    tl.store(Out + offs, y, mask=inside)
+    tl.store(Cast + offs, y.to(tl.bfloat16), mask=inside)  # the dot's operand cast after it
+
+
+def test_p_onto_bf16s_grid_is_the_reference_bit_for_bit():
+    # `_bf16_grid`: compiled, the GPU's conversion and back (`_hardware_bf16`); under the
+    # interpreter, the rounding on bits. Either way torch's round to nearest even, and
+    # compiled the cast that follows it (as into a bf16 dot) changes nothing (the
+    # interpreter's own cast truncates and flushes subnormals): every bf16 midpoint with
+    # 64 fp32 neighbours each side over the binades P and its lifts reach, fp32 and bf16
+    # subnormals, the top binade, inf and NaN, and every 7th fp32 pattern up to 512 on a GPU
+    # (a sample of 2^16 under the interpreter)
+    exponents = torch.arange(-133, 128, dtype=torch.int32)
+    mids = ((exponents + 127).clamp(min=0) << 23) | 0x8000  # a bf16 midpoint in each binade
+    mids = torch.cat([mids, mids | 0x10000, torch.tensor([0x4000, 0xC000, 0x7F7F8000])])
+    near = (mids[:, None] + torch.arange(-64, 65, dtype=torch.int32)).flatten().clamp(min=0)
+    if DEVICE == "cuda":
+        sweep = torch.arange(0, 0x44000000, 7, dtype=torch.int32)
+    else:
+        sweep = torch.randint(0, 0x44000000, (1 << 16,), generator=torch.Generator().manual_seed(5),
+                              dtype=torch.int32)  # fmt: skip
+    special = torch.tensor([1, 0x7FFF, 0x8000, 0x7F7FFFFF, 0x7F800000, 0x7FC00000],
+                           dtype=torch.int32)  # fmt: skip
+    x = torch.cat([near, sweep, special]).view(torch.float32).contiguous()
+    out = torch.empty_like(x, device=DEVICE)
+    cast = torch.empty(x.shape, dtype=torch.bfloat16, device=DEVICE)
+    _bf16_grid_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(DEVICE), out, cast, x.numel(),
+                                                       BLOCK=1024)  # fmt: skip
+    want = x.to(torch.bfloat16).float()
+    out, cast = out.cpu(), cast.cpu().float()
+    for got in (out, cast) if flash.HW_BF16 else (out,):
+        assert torch.equal(got.isnan(), want.isnan())
+        got, ref = got.nan_to_num(0.0), want.nan_to_num(0.0)
+        bad = (got.view(torch.int32) != ref.view(torch.int32)).nonzero()
+        where = bad[0] if bad.numel() else 0
+        assert bad.numel() == 0, (f"{bad.numel()} differ; x={x[where].item()!r}: "
+                                  f"{got[where].item()!r}, want {ref[where].item()!r}")
+
+
 def _nonnegative_values(fmt) -> torch.Tensor:
     """Every finite nonnegative value of a float format, ascending (float32)."""
     values = fmt.values.float()
