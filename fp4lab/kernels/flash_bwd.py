@@ -301,6 +301,16 @@ def _dot(a, b, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _dot_into(a, b, acc, SPLIT: tl.constexpr):
+    """acc + a b as `_dot` takes a, summed inside the dots (their fp32 accumulator: b's
+    stored operands are bf16, never fp8, so no reduced-precision FP8 sums)."""
+    head = a.to(b.dtype)
+    if SPLIT:
+        return tl.dot((a - head.to(tl.float32)).to(b.dtype), b, tl.dot(head, b, acc))
+    return tl.dot(head, b, acc)
+
+
+@triton.jit
 def _hadamard_matrix(Had, HAD_N: tl.constexpr, USED: tl.constexpr):
     """The (HAD_N, HAD_N) fp32 matrix diag(signs) H / sqrt(n) at Had (row-major,
     `fp4lab.formats.hadamard_matrix`), loaded where a quantizer of the kernel rotates (USED);
@@ -559,7 +569,7 @@ def _bwd_preprocess(Out, DO, DOF, Delta, Sq, V_DIM: tl.constexpr, BLOCK_M: tl.co
 # fmt: off
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, q_base, qd_base, dov_base, dop_base, lse_base, delta_base, mref_base, n_k,
+    dk, dv, fk, fv, k, v, q_base, qd_base, dov_base, dop_base, lse_base, delta_base, mref_base, n_k,
     key_tile, offs_n, cols, qk_scale, f_dov, f_dp, f_q, Sq, Sk, first, count,
     sr_dv0, sr_dv1, sr_dk0, sr_dk1, batch, head, dvs_base, dks_base, ms_base, qm_base,
     kf_j, vf_j, qf_base, dovf_base, dopf_base, qdf_base, had,
@@ -584,7 +594,8 @@ def _dkdv_inner(
     DK_SR: tl.constexpr, DK_SR_BITS: tl.constexpr,
     DK_HAD: tl.constexpr, DK_INV_C: tl.constexpr,
     TRACE: tl.constexpr, N_STATS: tl.constexpr, DV_UNDER: tl.constexpr, DV_OVER: tl.constexpr,
-    DK_UNDER: tl.constexpr, DK_OVER: tl.constexpr,
+    DK_UNDER: tl.constexpr, DK_OVER: tl.constexpr, DV_IN_DOT: tl.constexpr,
+    DK_IN_DOT: tl.constexpr,
 ):
     """`count` query tiles of one query head from query tile `first` against one key tile,
     tiles held (keys, queries). MASKED tiles may hold rows past Sq, keys past Sk or (causal)
@@ -601,7 +612,10 @@ def _dkdv_inner(
     the tile's rowsum(dS^T) M^T. TILE_SCOPE (tensor_scope=tile): the query side's factors
     are per query tile (qf_base, dovf_base, dopf_base, qdf_base: one fp32 a tile), each
     tile's taken with the key tile's kf_j (the scores' K) and vf_j (V's) in the per-head
-    path's order; without it qk_scale, f_dov, f_dp and f_q are the head's, combined."""
+    path's order; without it qk_scale, f_dov, f_dp and f_q are the head's, combined.
+    DV_IN_DOT, DK_IN_DOT: where each tile's factor is the same (`_in_dot`), dv and dk
+    accumulate inside their dots, in units of that factor (fv, fk: the last tile's), which
+    the caller applies once at the end."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -678,7 +692,11 @@ def _dkdv_inner(
             do_v = tl.load(dov_ptrs)
             do_t = tl.load(dot_ptrs)
             delta = tl.load(delta_base + offs_m)
-        dv += _dot(p_dv, do_v, DV_SPLIT) * (f_dv * f_dov_t)
+        if DV_IN_DOT:
+            dv = _dot_into(p_dv, do_v, dv, DV_SPLIT)
+            fv = f_dv * f_dov_t
+        else:
+            dv += _dot(p_dv, do_v, DV_SPLIT) * (f_dv * f_dov_t)
         if TRACE:  # P as dV consumed it (the replay's P^ from the forward's own P)
             if REPLAY:
                 p_q, z_q = pf, zf
@@ -709,7 +727,11 @@ def _dkdv_inner(
             qd = tl.load(qd_ptrs, mask=rows[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM)
         else:
             qd = tl.load(qd_ptrs)
-        dk += _dot(ds_k, qd, DK_SPLIT) * (f_k * f_q_t)
+        if DK_IN_DOT:
+            dk = _dot_into(ds_k, qd, dk, DK_SPLIT)
+            fk = f_k * f_q_t
+        else:
+            dk += _dot(ds_k, qd, DK_SPLIT) * (f_k * f_q_t)
         if MEAN_DK:  # dS^T (Q^ + M): M is one row for the whole query tile
             m_row = tl.load(qm_base + (first + t) * HEAD_DIM + offs_d)  # (HEAD_DIM,)
             dk += (tl.sum(ds_k, 1) * f_k)[:, None] * m_row[None, :]
@@ -720,7 +742,7 @@ def _dkdv_inner(
                 DK_S_MAX, DK_E_LO, DK_E_HI, DK_QBLOCK, DK_RULE, DK_ARITH, DK_TENSOR, DK_EMAX_E,
                 DK_LOG2_ME, DK_TRANS, DK_UNDER, DK_OVER,
             )
-    return dk, dv
+    return dk, dv, fk, fv
 
 
 @triton.jit
@@ -749,6 +771,8 @@ def _attn_bwd_dkdv(
     # instrumentation: per-tile statistics (`BACKWARD_STATS`), off by default
     TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, DV_UNDER: tl.constexpr = 0.0,
     DV_OVER: tl.constexpr = 0.0, DK_UNDER: tl.constexpr = 0.0, DK_OVER: tl.constexpr = 0.0,
+    # dv, dk summed inside their dots (`_in_dot`)
+    DV_IN_DOT: tl.constexpr = False, DK_IN_DOT: tl.constexpr = False,
 ):
     """dK and dV of one key tile of one (batch, KV head), summed over the G query heads of its
     group and the query tiles that see it. TRACE: DVStats and DKStats (B H, n_q, n_k,
@@ -787,6 +811,8 @@ def _attn_bwd_dkdv(
     had = _hadamard_matrix(Had, HAD_N, DV_HAD or DK_HAD)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, V_DIM], dtype=tl.float32)
+    fk = 1.0  # dk's and dv's units (DK_IN_DOT, DV_IN_DOT)
+    fv = 1.0
     # the query tiles in three ranges: [lo, a) masked, [a, e) unmasked, [c, n_q) masked
     n_full = Sq // BLOCK_M
     lo = 0
@@ -822,10 +848,10 @@ def _attn_bwd_dkdv(
                 first, count = a, tl.maximum(e - a, 0)
             else:
                 first, count = c, tl.maximum(n_q - c, 0)
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, q_base, qd_base, dov_base, dop_base, LSE + q_row0, DELTA + q_row0,
-                MRef + q_row0 * n_k, n_k, start_n, offs_n, cols, s_h, f_dov, f_dp, f_q, Sq, Sk,
-                first, count, sr_dv0, sr_dv1, sr_dk0, sr_dk1, sr_b, hk * G + g,
+            dk, dv, fk, fv = _dkdv_inner(
+                dk, dv, fk, fv, k, v, q_base, qd_base, dov_base, dop_base, LSE + q_row0,
+                DELTA + q_row0, MRef + q_row0 * n_k, n_k, start_n, offs_n, cols, s_h, f_dov,
+                f_dp, f_q, Sq, Sk, first, count, sr_dv0, sr_dv1, sr_dk0, sr_dk1, sr_b, hk * G + g,
                 DVStats + stats_at, DKStats + stats_at, MS + bh.to(tl.int64) * n_q * Sk,
                 QM + bh.to(tl.int64) * n_q * HEAD_DIM, f_k, f_v, QF + f_at, DOVF + f_at,
                 DOPF + f_at, QDF + f_at, had,
@@ -839,8 +865,12 @@ def _attn_bwd_dkdv(
                 DK_S_UNIT, DK_S_MAX, DK_E_LO, DK_E_HI, DK_QBLOCK, DK_RULE, DK_ARITH, DK_TENSOR,
                 DK_EMAX_E, DK_LOG2_ME, DK_TRANS, DK_SPLIT, DK_SR, DK_SR_BITS,
                 DK_HAD, DK_INV_C,
-                TRACE, N_STATS, DV_UNDER, DV_OVER, DK_UNDER, DK_OVER,
+                TRACE, N_STATS, DV_UNDER, DV_OVER, DK_UNDER, DK_OVER, DV_IN_DOT, DK_IN_DOT,
             )
+    if DV_IN_DOT:
+        dv = dv * fv
+    if DK_IN_DOT:
+        dk = dk * fk
     dk = dk * scale
     tl.store(DK + (row0 + offs_n[:, None]) * HEAD_DIM + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=cols[:, None])
@@ -851,7 +881,7 @@ def _attn_bwd_dkdv(
 # -- the dQ kernel -----------------------------------------------------------------------------
 @triton.jit
 def _dq_inner(
-    dq, q, do_p, lse2, delta, k_base, v_base, kd_base, offs_m, rows, qk_scale, f_dp, Sk,
+    dq, fq, q, do_p, lse2, delta, k_base, v_base, kd_base, offs_m, rows, qk_scale, f_dp, Sk,
     first, count, sr_dv0, sr_dv1, sr_dq0, sr_dq1, batch, head, dqs_base, ms_base,
     kf_base, vf_base, kdf_base, had,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
@@ -874,6 +904,7 @@ def _dq_inner(
     DQ_SR: tl.constexpr, DQ_SR_BITS: tl.constexpr,
     DQ_HAD: tl.constexpr, DQ_INV_C: tl.constexpr,
     TRACE: tl.constexpr, N_STATS: tl.constexpr, DQ_UNDER: tl.constexpr, DQ_OVER: tl.constexpr,
+    DQ_IN_DOT: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, tiles held (queries, keys);
     MASKED as in `_dkdv_inner`; DV_SR (P^ for dS = P^ (dP - D)), DQ_SR: stochastic rounding by
@@ -947,7 +978,10 @@ def _dq_inner(
             kd = tl.load(kd_ptrs, mask=cols[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
         else:
             kd = tl.load(kd_ptrs)
-        if TILE_SCOPE:
+        if DQ_IN_DOT:  # (never with TILE_SCOPE)
+            dq = _dot_into(ds_q, kd, dq, DQ_SPLIT)
+            fq = f_q
+        elif TILE_SCOPE:
             dq += _dot(ds_q, kd, DQ_SPLIT) * (f_q * f_kd_t)
         else:
             dq += _dot(ds_q, kd, DQ_SPLIT) * f_q
@@ -958,7 +992,7 @@ def _dq_inner(
                 DQ_E_LO, DQ_E_HI, DQ_QBLOCK, DQ_RULE, DQ_ARITH, DQ_TENSOR, DQ_EMAX_E,
                 DQ_LOG2_ME, DQ_TRANS, DQ_UNDER, DQ_OVER,
             )
-    return dq
+    return dq, fq
 
 
 @triton.jit
@@ -987,6 +1021,7 @@ def _attn_bwd_dq(
     # instrumentation: per-tile statistics (`BACKWARD_STATS`), off by default
     TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, DQ_UNDER: tl.constexpr = 0.0,
     DQ_OVER: tl.constexpr = 0.0,
+    DQ_IN_DOT: tl.constexpr = False,  # dq summed inside its dots (`_in_dot`)
 ):
     """dQ of one query tile of one (batch, head), over the key tiles it sees: first the whole
     tiles of visible keys (unmasked, as the forward splits them), then the rest (masked).
@@ -1024,6 +1059,7 @@ def _attn_bwd_dq(
         kf_at = bhk
     had = _hadamard_matrix(Had, HAD_N, DQ_HAD)  # (P^ for dS = P^ (dP - D) is never rotated)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    fq = 1.0  # dq's units (DQ_IN_DOT)
     dqs_base = DQStats + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * tl.cdiv(
         Sk, BLOCK_N) * N_STATS
     n_tiles = tl.cdiv(Sk, BLOCK_N)
@@ -1038,8 +1074,8 @@ def _attn_bwd_dq(
             first, count = 0, n_free
         else:
             first, count = n_free, tl.maximum(n_tiles - n_free, 0)
-        dq = _dq_inner(
-            dq, q, do_p, lse2, delta, K + k_row0 * HEAD_DIM, V + k_row0 * V_DIM,
+        dq, fq = _dq_inner(
+            dq, fq, q, do_p, lse2, delta, K + k_row0 * HEAD_DIM, V + k_row0 * V_DIM,
             KD + k_row0 * HEAD_DIM, offs_m, rows, s_scale, f_dp, Sk, first, count,
             sr_dv0, sr_dv1, sr_dq0, sr_dq1, sr_b, h, dqs_base,
             MS + (bh.to(tl.int64) * tl.cdiv(Sq, BLOCK_M) + start_m) * Sk, KF + kf_at,
@@ -1054,8 +1090,10 @@ def _attn_bwd_dq(
             DQ_S_UNIT, DQ_S_MAX, DQ_E_LO, DQ_E_HI, DQ_QBLOCK, DQ_RULE, DQ_ARITH, DQ_TENSOR,
             DQ_EMAX_E, DQ_LOG2_ME, DQ_TRANS, DQ_SPLIT, DQ_SR, DQ_SR_BITS,
             DQ_HAD, DQ_INV_C,
-            TRACE, N_STATS, DQ_UNDER, DQ_OVER,
+            TRACE, N_STATS, DQ_UNDER, DQ_OVER, DQ_IN_DOT,
         )
+    if DQ_IN_DOT:
+        dq = dq * fq
     if TILE_SCOPE:  # K^'s factors went into each tile's product
         dq = dq * scale
     else:
@@ -1169,6 +1207,10 @@ def attention_backward(
     dv_constants = dv_p.constants("DV", keys_last=False)
     if m_ref is not None:  # the replayed P^, normalized, is no longer bf16-exact
         dv_constants["DV_SPLIT"] = True
+    in_dot = dict(  # a GQA group's query heads each bring their own factors
+        DV_IN_DOT=H == Hk and not tile_scope and (m_ref is not None or _in_dot(dv_p)),
+        DK_IN_DOT=H == Hk and not tile_scope and ops.q_dk_mean is None and _in_dot(dk_ds),
+    )
     launch_fitting(
         _attn_bwd_dkdv, (triton.cdiv(Sk, block_n), B * Hk),
         (q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv,
@@ -1178,7 +1220,7 @@ def attention_backward(
          spare if ops.q_dk_mean is None else ops.q_dk_mean, had),
         dict(REPLAY=m_ref is not None, LEAK=leakage_block, MEAN_DK=ops.q_dk_mean is not None,
              **smooth, **common, **dv_constants,
-             **dk_ds.constants("DK", keys_last=False), **dkdv_trace),
+             **dk_ds.constants("DK", keys_last=False), **dkdv_trace, **in_dot),
     )  # fmt: skip
     # -- dQ --
     dq = torch.empty(B, H, Sq, D, dtype=q.dtype, device=q.device)
@@ -1189,9 +1231,21 @@ def attention_backward(
          f32(f_v, n_k), f32(f_kd, n_k), scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table,
          stats["dq"], shift, had),
         dict(**smooth, **common, **dv_p.constants("DV", keys_last=True),
-             **dq_ds.constants("DQ", keys_last=True), **dq_trace),
+             **dq_ds.constants("DQ", keys_last=True), **dq_trace,
+             DQ_IN_DOT=not tile_scope and _in_dot(dq_ds)),
     )  # fmt: skip
     return dq, dk, dv
+
+
+def _in_dot(tq: TileQuantizer) -> bool:
+    """Whether a tile quantizer's factor is one constant for every tile (an element cast, bf16,
+    Direct-P, block scales without a tensor scale: 1/LIFT, and an alpha grid's 1/M_e), so that
+    its products may sum inside their dots, in units of it, and take it once at the end: the
+    forward's ACC_DOT (`flash._accumulate_in_dot`). Not a per-tile FP32 scale, MS-EDEN or a
+    per-tile tensor scale. Rounding order aside, the same sum; its dK/dV kernel spilled 124
+    registers at 64 x 64 and 4 warps with a product tile beside each accumulator, 44 without
+    (sm_90, triton 3.6, `benchmarks/compile_offline.py`)."""
+    return tq.pq.MODE in (0, 1, 3, MODE_BF16) or (tq.pq.MODE == 2 and not tq.pq.TENSOR)
 
 
 def _rotation(device, trace, **quantizers: TileQuantizer):
