@@ -141,7 +141,8 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", default=["fa4fp4_causal", "nvfp4"])
     parser.add_argument(
         "--tiles", nargs="+", default=["128x128:8:3"], metavar="BMxBN:W:S",
-        help="tiles, warps and the forward's stages (the backward's: at most 2, its default)",
+        help="tiles, warps and stages, the forward's and the backward's (flash.launch_fitting "
+        "drops stages that do not fit, as on the GPU)",
     )  # fmt: skip
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--trace", action="store_true", help="the traced kernels instead")
@@ -166,7 +167,7 @@ def main() -> None:
     for name in args.recipes:
         for bm, bn, warps, stages in map(_config, args.tiles):
             backend.LAUNCH["forward"] = (warps, stages)
-            backend.LAUNCH["backward"] = (warps, min(stages, 2))
+            backend.LAUNCH["backward"] = (warps, stages)
             leaves = [x.clone().requires_grad_(args.backward) for x in (q, k, v)]
             with compile_only(args.arch) as records:
                 try:

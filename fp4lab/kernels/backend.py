@@ -889,14 +889,17 @@ def launch_options(kind: str, block_m: int) -> dict:
     `block_m` rows: `LAUNCH[kind]` where set, else the best measured on the H200
     (benchmarks/RESULTS.md, 2026-12-02, B4 H16 S4096 D128): 8 warps for 128-row tiles (at 128 x
     128 the forward 2.0x faster than at 4 warps and 2 stages, forward plus backward 2.0x to
-    2.7x), 4 below (8 warps there were slower); the forward at 3 stages, the backward at 2 (its
-    128 x 128 tiles do not fit 3; `flash.launch_fitting` drops stages that do not fit)."""
+    2.7x), 4 below (8 warps there were slower); 3 stages, but 2 for the backward's 128-row
+    tiles (which fit neither: `flash.launch_fitting` drops stages that do not fit). At 64 x 64
+    and 4 warps fa4fp4_causal's forward plus backward ran at 0.39x / 0.45x SDPA (non-causal /
+    causal) with the backward at 3 stages, 0.34x / 0.41x at 2 (RESULTS.md, session 21)."""
     if kind not in LAUNCH:
         raise ValueError(f"kind must be one of {', '.join(LAUNCH)}; got {kind!r}")
     if LAUNCH[kind] is not None:
         warps, stages = LAUNCH[kind]
     else:
-        warps, stages = 8 if block_m >= 128 else 4, 3 if kind == "forward" else 2
+        warps = 8 if block_m >= 128 else 4
+        stages = 2 if kind == "backward" and block_m >= 128 else 3
     return dict(num_warps=warps, num_stages=stages)
 
 
