@@ -94,11 +94,37 @@ def resource_usage(cubin: bytes) -> dict:
                 static_shared=shared)
 
 
+_BRANCH = re.compile(r"/\*([0-9a-f]{4,6})\*/\s+@!?U?P\d BRA 0x([0-9a-f]+)")
+_INSTRUCTION_BYTES = 16  # sm_70 and later
+
+
+def loop_instructions(cubin: bytes) -> list[int]:
+    """The instructions in each loop body of a cubin's SASS (cuobjdump -sass), in code order:
+    from a conditional branch backwards to its target. The issue slots a thread spends on
+    one iteration of its key loop outside the dots: a change to the per-element arithmetic
+    shows here before any GPU time (on the H200 the forward's time moved with these counts,
+    though by less: RESULTS.md, "Session 21"). Straight-line count, the loop's own branches
+    and any slow path it jumps over included."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    loops = []
+    for match in _BRANCH.finditer(text):
+        here, target = int(match.group(1), 16), int(match.group(2), 16)
+        if target < here:
+            loops.append((here - target) // _INSTRUCTION_BYTES + 1)
+    return loops
+
+
 @contextlib.contextmanager
 def compile_only(arch: int = 90):
     """Within: kernels compile for sm_`arch` and never launch; yields the list to which each
     kernel compiled anew is appended as a dict (kernel, seconds, registers, spills, shared
-    memory, whether that fits an H200 block, E4M3 conversions and wgmma in its PTX)."""
+    memory, whether that fits an H200 block, E4M3 conversions and wgmma in its PTX, the
+    instructions of each loop body in its SASS)."""
     from fp4lab.kernels import quantize
 
     records: list[dict] = []
@@ -121,6 +147,7 @@ def compile_only(arch: int = 90):
                 fits_shared=shared <= H200_SHARED_BYTES,
                 e4m3_cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
                 wgmma=ptx.count("wgmma.mma_async"),
+                loop_instructions=loop_instructions(kernel.asm["cubin"]),
             ))  # fmt: skip
         return kernel
 

@@ -40,6 +40,8 @@ def resources(compiled_kernel, **labels) -> dict:
     """One compiled kernel's registers, spills, shared memory and code counts (`labels`, which
     may name the kernel, first)."""
     kernel = compiled_kernel
+    if not hasattr(kernel, "n_regs"):  # triton 3.6 loads a kernel's handles (and these) lazily
+        kernel._init_handles()
     ttgir, ptx = kernel.asm.get("ttgir", ""), kernel.asm.get("ptx", "")
     return dict(
         **labels, registers=kernel.n_regs, spills=kernel.n_spills,

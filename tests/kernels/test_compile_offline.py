@@ -29,6 +29,8 @@ def test_a_kernel_compiles_for_hopper_here_and_reports_its_resources(tmp_path):
     assert 0 < row["registers"] <= 255 and row["spills"] >= 0
     assert row["wgmma"] > 0  # Hopper's tensor-core instructions: compiled for sm_90
     assert 0 < row["shared_bytes"] and row["fits_shared"]
+    # the key loops' bodies (unmasked and masked tiles), each longer than its two wgmma groups
+    assert len(row["loop_instructions"]) >= 2 and min(row["loop_instructions"]) > 100
 
 
 def test_compile_only_puts_back_what_it_replaced():
