@@ -75,17 +75,22 @@ class _CompileOnlyDriver:
         pass
 
 
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """What the cuobjdump in Triton's wheel prints for a cubin with `flag`."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
 def resource_usage(cubin: bytes) -> dict:
     """registers per thread, spills and static shared bytes of a cubin, read by the cuobjdump
     in Triton's wheel. spills is Triton's `n_spills`, a thread's local memory (the CUDA
     driver's LOCAL_SIZE_BYTES: ptxas's stack frame, where it spills, plus any other local
     memory) over 4; both parts are kept."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
+    text = _cuobjdump(cubin, "-res-usage")
     match = _RESOURCES.search(text)
     if match is None:
         raise RuntimeError(f"cuobjdump -res-usage gave no resource line: {text[:500]!r}")
@@ -105,12 +110,7 @@ def loop_instructions(cubin: bytes) -> list[int]:
     shows here before any GPU time (on the H200 the forward's time moved with these counts,
     though by less: RESULTS.md, "Session 21"). Straight-line count, the loop's own branches
     and any slow path it jumps over included."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
+    text = _cuobjdump(cubin, "-sass")
     loops = []
     for match in _BRANCH.finditer(text):
         here, target = int(match.group(1), 16), int(match.group(2), 16)
