@@ -1207,10 +1207,8 @@ def attention_backward(
     dv_constants = dv_p.constants("DV", keys_last=False)
     if m_ref is not None:  # the replayed P^, normalized, is no longer bf16-exact
         dv_constants["DV_SPLIT"] = True
-    in_dot = dict(  # a GQA group's query heads each bring their own factors
-        DV_IN_DOT=H == Hk and not tile_scope and (m_ref is not None or _in_dot(dv_p)),
-        DK_IN_DOT=H == Hk and not tile_scope and ops.q_dk_mean is None and _in_dot(dk_ds),
-    )
+    in_dot, dq_in_dot = _sums_in_dot(dv_p, dk_ds, dq_ds, grouped=H != Hk, tile_scope=tile_scope,
+                                     replay=m_ref is not None, mean_dk=ops.q_dk_mean is not None)
     launch_fitting(
         _attn_bwd_dkdv, (triton.cdiv(Sk, block_n), B * Hk),
         (q, k, v, qd, do_v, do_p, lse, delta, lse if m_ref is None else m_ref, dk, dv,
@@ -1231,8 +1229,7 @@ def attention_backward(
          f32(f_v, n_k), f32(f_kd, n_k), scale * LOG2E, scale, H, H // Hk, Sq, Sk, *sr_table,
          stats["dq"], shift, had),
         dict(**smooth, **common, **dv_p.constants("DV", keys_last=True),
-             **dq_ds.constants("DQ", keys_last=True), **dq_trace,
-             DQ_IN_DOT=not tile_scope and _in_dot(dq_ds)),
+             **dq_ds.constants("DQ", keys_last=True), **dq_trace, **dq_in_dot),
     )  # fmt: skip
     return dq, dk, dv
 
@@ -1246,6 +1243,21 @@ def _in_dot(tq: TileQuantizer) -> bool:
     registers at 64 x 64 and 4 warps with a product tile beside each accumulator, 44 without
     (sm_90, triton 3.6, `benchmarks/compile_offline.py`)."""
     return tq.pq.MODE in (0, 1, 3, MODE_BF16) or (tq.pq.MODE == 2 and not tq.pq.TENSOR)
+
+
+def _sums_in_dot(dv_p: TileQuantizer, dk_ds: TileQuantizer, dq_ds: TileQuantizer, *,
+                 grouped: bool, tile_scope: bool, replay: bool, mean_dk: bool):
+    """(the dK/dV kernel's, the dQ kernel's) IN_DOT constants: which of dV, dK and dQ sum
+    inside their dots (`_in_dot`). Not with per-tile factors (`tile_scope`), nor dV and dK
+    over a GQA group (`grouped`: each query head brings its own factors into the one key
+    tile's sums), nor dK with smooth_q's mean term (`mean_dk`, added beside the dot). The
+    replayed P^ (`replay`) carries its factors in its values, so dV's factor is dO's alone."""
+    per_head = not grouped and not tile_scope
+    return (
+        dict(DV_IN_DOT=per_head and (replay or _in_dot(dv_p)),
+             DK_IN_DOT=per_head and not mean_dk and _in_dot(dk_ds)),
+        dict(DQ_IN_DOT=not tile_scope and _in_dot(dq_ds)),
+    )  # fmt: skip
 
 
 def _rotation(device, trace, **quantizers: TileQuantizer):

@@ -518,3 +518,25 @@ def test_two_level_p_replayed_in_the_backward_is_refused_by_name():
     recipe = resolve_recipe("sageattn3_paper").with_exact_backward()
     with pytest.raises(NotImplementedError, match="two-level P"):
         gradients(q, k, v, do, recipe)
+
+
+def test_gradients_sum_inside_their_dots_only_where_each_tiles_factor_is_the_same():
+    # dV, dK and dQ take each tile's product inside the dot, in units of its factor, only
+    # where that factor is one constant over the loop: an element cast's 1/LIFT (and a
+    # block format without a tensor scale), per head; the per-tile tensor scales of nvfp4,
+    # a GQA group's heads (each its own dO and Q factors) and tensor_scope=tile keep a
+    # product tile beside each accumulator (the GPU tests run both sides)
+    def decide(recipe, **where):
+        quantizers = backend.backward_quantizers(resolve_recipe(recipe))
+        options = dict(grouped=False, tile_scope=False, replay=False, mean_dk=False) | where
+        dkdv, dq = flash_bwd._sums_in_dot(*quantizers, **options)
+        return dkdv["DV_IN_DOT"], dkdv["DK_IN_DOT"], dq["DQ_IN_DOT"]
+
+    assert decide("fa4fp4_causal") == (True, True, True)  # E4M3 casts, LIFT 2^8
+    assert decide("exact") == (True, True, True)
+    assert decide("mxfp4") == (True, True, True)  # power-of-two block scales, no tensor scale
+    assert decide("nvfp4") == (False, False, False)  # a tensor scale per tile
+    assert decide("fa4fp4_causal", grouped=True) == (False, False, True)  # dQ: one head
+    assert decide("fa4fp4_causal", tile_scope=True) == (False, False, False)
+    assert decide("fa4fp4_causal", mean_dk=True) == (True, False, True)
+    assert decide("nvfp4", replay=True)[0]  # the replayed P^ holds its own factors
