@@ -373,7 +373,8 @@ def traced_forward(recipes, out_dir) -> None:
 
 
 BACKWARD_TILES = [(64, 64), (128, 128)]
-BACKWARD_LAUNCH = [(4, 2), (8, 2)]  # the backward kernels' (warps, stages) (backend.LAUNCH)
+# the backward kernels' (warps, stages) (backend.LAUNCH): 64-row tiles' default is (4, 3)
+BACKWARD_LAUNCH = [(4, 3), (8, 2)]
 # (block_m, block_n, warps, stages) that forward_backward times: --backward-configs, else each
 # tile size with each launch
 BACKWARD_CONFIGS = [(bm, bn, w, st) for (bm, bn), (w, st)

@@ -60,7 +60,7 @@ nvidia-smi --query-gpu=name,clocks.max.sm,temperature.gpu --format=csv > "$O/gpu
 FWD="--recipes exact flash_bf16 nvfp4 mxfp4 fa4fp4_causal fa3_fp8 --configs 64x64:4:3 128x128:8:3"
 # the backward's warm-up of four recipes at four configurations took 459 s (2026-12-02): two
 # of each
-BWD="--no-kernels --backward --backward-recipes fa4fp4_causal exact --backward-configs 64x64:4:2 128x128:8:2"
+BWD="--no-kernels --backward --backward-recipes fa4fp4_causal exact --backward-configs 64x64:4:3 128x128:8:2"
 for stage in "${STAGES[@]}"; do
   [ "$(left)" -lt 40 ] && { log "no time for $stage"; continue; }
   case $stage in
