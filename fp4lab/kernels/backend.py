@@ -890,7 +890,8 @@ def launch_options(kind: str, block_m: int) -> dict:
     (benchmarks/RESULTS.md, 2026-12-02, B4 H16 S4096 D128): 8 warps for 128-row tiles (at 128 x
     128 the forward 2.0x faster than at 4 warps and 2 stages, forward plus backward 2.0x to
     2.7x), 4 below (8 warps there were slower); 3 stages, but 2 for the backward's 128-row
-    tiles (which fit neither: `flash.launch_fitting` drops stages that do not fit). At 64 x 64
+    tiles (at head_dim 128 those fit only one, to which `flash.launch_fitting` drops, as it
+    drops any depth that does not fit). At 64 x 64
     and 4 warps fa4fp4_causal's forward plus backward ran at 0.39x / 0.45x SDPA (non-causal /
     causal) with the backward at 3 stages, 0.34x / 0.41x at 2 (RESULTS.md, session 21)."""
     if kind not in LAUNCH:

@@ -119,7 +119,7 @@ MODE_BF16 = 5  # PQuantizer's mode of a cast to bf16 (forward and backward)
 # below 1. A power-of-two scale rule (OCP floor, the alpha grids) then halves that block's
 # scale and clamps its largest element: on the H200 (triton 3.6) mxfp4 P came out 2e-2 to 7e-2
 # from the simulation, whose S - m is exactly 0 there. The interpreter never fuses.
-FP_FUSION = False
+FP_FUSION = False  # (an explicit tl.fma still fuses: only the accumulation's FOLD uses one)
 
 
 def _hardware_e4m3(capability: tuple[int, int] | None = None) -> bool:
@@ -160,7 +160,11 @@ def _hardware_bf16() -> bool:
     (triton 3.9, checked 2026-12-02), nor with FP4LAB_HW_BF16=0."""
     if os.environ.get("FP4LAB_HW_BF16", "1") == "0":
         return False
-    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    if torch.cuda.is_available() and torch.version.hip is None:  # bf16 conversions: sm_80 on
+        return torch.cuda.get_device_capability() >= (8, 0)
+    return True  # a target compiled for without a GPU (benchmarks/compile_offline.py: sm_90)
 
 
 HW_BF16 = tl.constexpr(_hardware_bf16())
@@ -1026,9 +1030,12 @@ def _fwd_inner(
                 pv = _dot_16_bits(p_hat, v, pv)
             else:
                 pv = tl.dot(p_hat.to(v.dtype), v, pv)
-        # the tile factor and the running rescale in one fma (acc alpha + pv factor, the
-        # product unrounded: the same value where the factor is a power of two) where nothing
-        # below takes the tile's product on its own
+        # the tile factor and the running rescale in one explicit fma, acc alpha + pv factor
+        # with pv factor unrounded, where nothing below takes the tile's product on its own:
+        # the same value where the factor is a power of two (an element cast's 1/LIFT), else
+        # one rounding fewer than the simulation's product then sum (nvfp4's per-tile decode,
+        # an alpha grid's or Direct-P's 1/M_e): a rounding-order difference, as ACC_DOT's and
+        # the tl.dot's own sums are; never in P's arithmetic, which FP_FUSION keeps unfused
         FOLD: tl.constexpr = not ACC_DOT and MODE != 6 and not (MASKED and LEAK > 0) and (
             not TILE_SCOPE and not TRACE)
         if ACC_DOT:

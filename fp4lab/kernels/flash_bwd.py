@@ -1239,9 +1239,10 @@ def _in_dot(tq: TileQuantizer) -> bool:
     Direct-P, block scales without a tensor scale: 1/LIFT, and an alpha grid's 1/M_e), so that
     its products may sum inside their dots, in units of it, and take it once at the end: the
     forward's ACC_DOT (`flash._accumulate_in_dot`). Not a per-tile FP32 scale, MS-EDEN or a
-    per-tile tensor scale. Rounding order aside, the same sum; its dK/dV kernel spilled 124
-    registers at 64 x 64 and 4 warps with a product tile beside each accumulator, 44 without
-    (sm_90, triton 3.6, `benchmarks/compile_offline.py`)."""
+    per-tile tensor scale. Rounding order aside, the same sum; fa4fp4_causal's dK/dV kernel at
+    64 x 64 and 4 warps spilled 126 registers with a product tile beside each accumulator, 20
+    without at 2 stages and 26 at 3, and its loop body went from 1580 instructions to 1170
+    (sm_90, triton 3.6, `benchmarks/compile_offline.py`; benchmarks/RESULTS.md, session 21)."""
     return tq.pq.MODE in (0, 1, 3, MODE_BF16) or (tq.pq.MODE == 2 and not tq.pq.TENSOR)
 
 

@@ -697,6 +697,11 @@ def test_p_tile_quantized_in_registers_is_the_reference_bit_for_bit(p_format):
     p[5, :16] = torch.cat([torch.ones(1), ties, ties.nextafter(torch.tensor(0.0)), torch.ones(1)])
     p[6, :16] = torch.cat([torch.ones(1), ties, ties.nextafter(torch.tensor(1.0)), torch.ones(1)])
     spec = fp4lab.formats.get(p_format)
+    if isinstance(spec, fp4lab.formats.FloatFormat):  # an element cast saturates (a fixed
+        # reference lets P pass 1): past the maximum, between it and the next binade, and inf
+        top = spec.max
+        p[7, :8] = torch.tensor([top, top * 1.03, top * 1.07, top * 1.5, top * 2, 3e38,
+                                 float("inf"), 1.0])  # fmt: skip
     pq = flash.PQuantizer.of(spec, 1.0)
     values = torch.empty_like(p).to(DEVICE)
     factor = torch.empty(1, device=DEVICE)

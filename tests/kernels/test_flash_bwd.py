@@ -527,9 +527,10 @@ def test_gradients_sum_inside_their_dots_only_where_each_tiles_factor_is_the_sam
     # a GQA group's heads (each its own dO and Q factors) and tensor_scope=tile keep a
     # product tile beside each accumulator (the GPU tests run both sides)
     def decide(recipe, **where):
-        quantizers = backend.backward_quantizers(resolve_recipe(recipe))
+        dv_p, dq_ds, dk_ds = backend.backward_quantizers(resolve_recipe(recipe))
+        # (its order; _sums_in_dot takes dK's before dQ's)
         options = dict(grouped=False, tile_scope=False, replay=False, mean_dk=False) | where
-        dkdv, dq = flash_bwd._sums_in_dot(*quantizers, **options)
+        dkdv, dq = flash_bwd._sums_in_dot(dv_p, dk_ds, dq_ds, **options)
         return dkdv["DV_IN_DOT"], dkdv["DK_IN_DOT"], dq["DQ_IN_DOT"]
 
     assert decide("fa4fp4_causal") == (True, True, True)  # E4M3 casts, LIFT 2^8
@@ -540,3 +541,7 @@ def test_gradients_sum_inside_their_dots_only_where_each_tiles_factor_is_the_sam
     assert decide("fa4fp4_causal", tile_scope=True) == (False, False, False)
     assert decide("fa4fp4_causal", mean_dk=True) == (True, False, True)
     assert decide("nvfp4", replay=True)[0]  # the replayed P^ holds its own factors
+    # each product decides for itself: dK's dS with a tensor scale per tile, dQ's a cast
+    mixed = dataclasses.replace(resolve_recipe("fa4fp4_causal"), name="mixed",
+                                dk_ds=resolve_recipe("nvfp4").dk_ds)  # fmt: skip
+    assert decide(mixed) == (True, False, True)
