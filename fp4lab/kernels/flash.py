@@ -384,6 +384,11 @@ _ARITHMETICS = {
 }  # fmt: skip
 
 
+# `_round` and `_rint` add and subtract 1.5 2^23 quanta, exact while x / quantum < 2^22, which
+# holds for every x of a grid with at most 21 mantissa bits (x / quantum < 2^(mbits + 1))
+_MAX_MBITS = 21
+
+
 def check_p(spec, lift: float, *, field: str = "p") -> None:
     """Raise for a P format the kernel does not quantize (yet): no silent fallback. `field`:
     the recipe field named in the message (the backward's P and dS take the same rules)."""
@@ -398,10 +403,20 @@ def check_p(spec, lift: float, *, field: str = "p") -> None:
                 f"{spec.name!r} has quanta down to 2^{spec.emin - spec.mbits}; "
                 "use backend='reference'"
             )
+        if spec.mbits > _MAX_MBITS:
+            raise NotImplementedError(
+                f"{field}: the Triton kernel rounds onto grids of at most {_MAX_MBITS} mantissa "
+                f"bits (`_round`'s 1.5 2^23 magic number); format {spec.name!r} has "
+                f"{spec.mbits}; use backend='reference'"
+            )
         return
     problems = []
     if spec.element.emin - spec.element.mbits < -126:
         problems.append(f"element format {spec.element.name} below fp32's normal range")
+    for role, fmt in (("element", spec.element), ("scale", spec.scale)):
+        if fmt.mbits > _MAX_MBITS:
+            problems.append(f"{role} format {fmt.name} with {fmt.mbits} mantissa bits (the "
+                            f"kernel rounds onto at most {_MAX_MBITS})")  # fmt: skip
     if spec.block is None or len(spec.block) != 1 or spec.block[0] not in (16, 32):
         along = "keys" if field == "p" else "elements along its blocks' axis"
         problems.append(f"blocks {spec.block} (the kernel takes 1-D blocks of 16 or 32 {along})")

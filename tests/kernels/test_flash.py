@@ -333,6 +333,17 @@ def test_what_the_kernels_do_not_run_is_refused_by_name(recipe, grad, what):
         fp4lab.attention(q, k, v, recipe, backend="triton")
 
 
+def test_a_p_grid_too_fine_for_the_magic_number_is_refused():
+    # `_round` adds and subtracts 1.5 2^23 quanta: exact for grids of up to 21 mantissa bits;
+    # a custom format with 22 would round wrong, so it is refused by name, before any launch
+    fine = fp4lab.formats.FloatFormat(name="e5m22_custom", ebits=5, mbits=22, bias=15)
+    recipe = dataclasses.replace(resolve_recipe("fa4fp4_causal"), name="fine", p=fine)
+    q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)
+    with pytest.raises(NotImplementedError, match="at most 21 mantissa bits.*e5m22_custom"):
+        fp4lab.attention(q, k, v, recipe, backend="triton")
+    flash.check_p(fp4lab.formats.FloatFormat(name="e5m21", ebits=5, mbits=21, bias=15), 1.0)
+
+
 def test_p_blocked_along_the_queries_is_refused():
     # the kernel blocks P along the keys only; block_axes moving it would be run wrongly
     recipe = dataclasses.replace(resolve_recipe("nvfp4"), name="t", block_axes=(("p", -2),))
