@@ -280,6 +280,17 @@ class PQuantizer:
     SR_BITS: int = 0
 
     @property
+    def constant_factor(self) -> bool:
+        """Whether the tile factor `_quantize_p` (and the backward's `_quantize_tile`) returns
+        is one constant for every tile: an element cast's or bf16's 1/LIFT, Direct-P's
+        1/(M_e LIFT), block scales without a tensor scale (1/LIFT, an alpha grid's over M_e).
+        Not a per-tile tensor scale, two-level P's row scales, the backward's per-tile FP32
+        scale or MS-EDEN (modes 4 and 7). Where it is, a tile's products may sum inside the
+        dot in units of it, applied once at the end (`_accumulate_in_dot`,
+        `flash_bwd._sums_in_dot`)."""
+        return self.MODE in (0, 1, 3, MODE_BF16) or (self.MODE == 2 and not self.TENSOR)
+
+    @property
     def shift(self) -> int:
         """Direct-P's stored-scale shift S (its LIFT is 2^-S), 0 for every other mode."""
         return -round(math.log2(self.LIFT)) if self.MODE == 3 else 0
@@ -1305,7 +1316,7 @@ def _accumulate_in_dot(pq: PQuantizer, per_tile: bool, fp8: bool) -> dict:
     DeepSeek-V3 promotes its FP8 partial sums). FlashAttention-3's FP8 kernel does
     accumulate O inside its wgmma (hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp, zero_init
     false), which this kernel does not model."""
-    if per_tile or fp8 or pq.TENSOR or pq.MODE == 6:
+    if per_tile or fp8 or not pq.constant_factor:
         return {}
     if pq.MODE == 3:  # Direct-P's values are u / M_e, its factor 1 / E_MAX
         factor = 1.0 / pq.ELEM[3]

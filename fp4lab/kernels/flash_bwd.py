@@ -613,7 +613,7 @@ def _dkdv_inner(
     are per query tile (qf_base, dovf_base, dopf_base, qdf_base: one fp32 a tile), each
     tile's taken with the key tile's kf_j (the scores' K) and vf_j (V's) in the per-head
     path's order; without it qk_scale, f_dov, f_dp and f_q are the head's, combined.
-    DV_IN_DOT, DK_IN_DOT: where each tile's factor is the same (`_in_dot`), dv and dk
+    DV_IN_DOT, DK_IN_DOT: where each tile's factor is the same (`_sums_in_dot`), dv and dk
     accumulate inside their dots, in units of that factor (fv, fk: the last tile's), which
     the caller applies once at the end."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -771,7 +771,7 @@ def _attn_bwd_dkdv(
     # instrumentation: per-tile statistics (`BACKWARD_STATS`), off by default
     TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, DV_UNDER: tl.constexpr = 0.0,
     DV_OVER: tl.constexpr = 0.0, DK_UNDER: tl.constexpr = 0.0, DK_OVER: tl.constexpr = 0.0,
-    # dv, dk summed inside their dots (`_in_dot`)
+    # dv, dk summed inside their dots (`_sums_in_dot`)
     DV_IN_DOT: tl.constexpr = False, DK_IN_DOT: tl.constexpr = False,
 ):
     """dK and dV of one key tile of one (batch, KV head), summed over the G query heads of its
@@ -1021,7 +1021,7 @@ def _attn_bwd_dq(
     # instrumentation: per-tile statistics (`BACKWARD_STATS`), off by default
     TRACE: tl.constexpr = False, N_STATS: tl.constexpr = 1, DQ_UNDER: tl.constexpr = 0.0,
     DQ_OVER: tl.constexpr = 0.0,
-    DQ_IN_DOT: tl.constexpr = False,  # dq summed inside its dots (`_in_dot`)
+    DQ_IN_DOT: tl.constexpr = False,  # dq summed inside its dots (`_sums_in_dot`)
 ):
     """dQ of one query tile of one (batch, head), over the key tiles it sees: first the whole
     tiles of visible keys (unmasked, as the forward splits them), then the rest (masked).
@@ -1234,30 +1234,24 @@ def attention_backward(
     return dq, dk, dv
 
 
-def _in_dot(tq: TileQuantizer) -> bool:
-    """Whether a tile quantizer's factor is one constant for every tile (an element cast, bf16,
-    Direct-P, block scales without a tensor scale: 1/LIFT, and an alpha grid's 1/M_e), so that
-    its products may sum inside their dots, in units of it, and take it once at the end: the
-    forward's ACC_DOT (`flash._accumulate_in_dot`). Not a per-tile FP32 scale, MS-EDEN or a
-    per-tile tensor scale. Rounding order aside, the same sum; fa4fp4_causal's dK/dV kernel at
-    64 x 64 and 4 warps spilled 126 registers with a product tile beside each accumulator, 20
-    without at 2 stages and 26 at 3, and its loop body went from 1580 instructions to 1170
-    (sm_90, triton 3.6, `benchmarks/compile_offline.py`; benchmarks/RESULTS.md, session 21)."""
-    return tq.pq.MODE in (0, 1, 3, MODE_BF16) or (tq.pq.MODE == 2 and not tq.pq.TENSOR)
-
-
 def _sums_in_dot(dv_p: TileQuantizer, dk_ds: TileQuantizer, dq_ds: TileQuantizer, *,
                  grouped: bool, tile_scope: bool, replay: bool, mean_dk: bool):
     """(the dK/dV kernel's, the dQ kernel's) IN_DOT constants: which of dV, dK and dQ sum
-    inside their dots (`_in_dot`). Not with per-tile factors (`tile_scope`), nor dV and dK
-    over a GQA group (`grouped`: each query head brings its own factors into the one key
-    tile's sums), nor dK with smooth_q's mean term (`mean_dk`, added beside the dot). The
-    replayed P^ (`replay`) carries its factors in its values, so dV's factor is dO's alone."""
+    inside their dots, in units of a tile factor that is the same for every tile
+    (`PQuantizer.constant_factor`: the forward's ACC_DOT), applied once at the end. Not with
+    per-tile factors (`tile_scope`), nor dV and dK over a GQA group (`grouped`: each query
+    head brings its own factors into the one key tile's sums), nor dK with smooth_q's mean
+    term (`mean_dk`, added beside the dot). The replayed P^ (`replay`) carries its factors in
+    its values, so dV's factor is dO's alone. Rounding order aside, the same sums;
+    fa4fp4_causal's dK/dV kernel at 64 x 64 and 4 warps spilled 126 registers with a product
+    tile beside each accumulator, 20 without at 2 stages and 26 at 3, and its loop body went
+    from 1580 instructions to 1170 (sm_90, triton 3.6, `benchmarks/compile_offline.py`;
+    benchmarks/RESULTS.md, session 21)."""
     per_head = not grouped and not tile_scope
     return (
-        dict(DV_IN_DOT=per_head and (replay or _in_dot(dv_p)),
-             DK_IN_DOT=per_head and not mean_dk and _in_dot(dk_ds)),
-        dict(DQ_IN_DOT=not tile_scope and _in_dot(dq_ds)),
+        dict(DV_IN_DOT=per_head and (replay or dv_p.pq.constant_factor),
+             DK_IN_DOT=per_head and not mean_dk and dk_ds.pq.constant_factor),
+        dict(DQ_IN_DOT=not tile_scope and dq_ds.pq.constant_factor),
     )  # fmt: skip
 
 
