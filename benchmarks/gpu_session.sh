@@ -19,6 +19,11 @@
 #   gradbias   gradient_bias's 256 samples on the kernels, into gradbias/
 #   resources  registers, spills, shared memory of the forward kernels
 #   scale      the 131072-token traced forward plus backward (warmed at 4096 tokens first)
+#   profile    torch.profiler over the reference's exact forward and the whole fp4lab.attention
+#              call, traced and not (benchmarks/profile_gpu.py), into profile/
+#   reference  the reference's exact forward on CUDA beside SDPA (issue 9's 20x goal)
+#   quantize   the Triton quantizers against their bandwidth bound and torchao (its wheel
+#              carried in .whl/, installed into /tmp/site)
 # Everything lands under $OUT/r and is packed into $OUT/r.tgz at the end (at most 8 files come
 # back from a device call). LIMIT_S (default 570) bounds the whole call: a stage that starts
 # gets what is left, and the packing always runs.
@@ -86,6 +91,15 @@ for stage in "${STAGES[@]}"; do
              > "$O/scale_warm.log" 2>&1; log "scale warm rc $?"
            timeout $(left) $BENCH --no-kernels --scale --out "$O" > "$O/scale.log" 2>&1
            log "scale rc $?" ;;
+    profile) timeout $(left) python3 benchmarks/profile_gpu.py --out "$O/profile" \
+               --cases reference reference_causal traced untraced > "$O/profile.log" 2>&1
+             log "profile rc $?" ;;
+    reference) timeout $(left) $BENCH --no-kernels --reference --out "$O" > "$O/reference.log" 2>&1
+               log "reference rc $?" ;;
+    quantize) ls .whl/torchao-*.whl > /dev/null 2>&1 &&  # carried: run(carry=[".whl"])
+                pip install -q --no-deps --target /tmp/site .whl/torchao-*.whl > "$O/pip.log" 2>&1
+              PYTHONPATH=$PWD:/tmp/site timeout $(left) python3 benchmarks/bench_quantize_gpu.py \
+                --out "$O" > "$O/quantize.log" 2>&1; log "quantize rc $?" ;;
     *) log "unknown stage $stage" ;;
   esac
 done

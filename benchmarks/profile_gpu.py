@@ -1,0 +1,112 @@
+"""Where the time goes in the two GPU calls that are far from their goals (issue 9): the
+simulation path's `exact` forward on CUDA (B1 H16 S4096 D128, goal within 20x of SDPA) and the
+whole traced `fp4lab.attention(..., backend="triton", trace=Trace())` call (B4 H16 S4096 D128,
+fa4fp4_causal; goal 0.4x SDPA), each under torch.profiler after warm-up.
+
+Writes, per case, the operators sorted by their total device time (`<case>.txt`, the
+profiler's own table) and the same as JSON rows (`profile_gpu.json`: name, calls, device and
+host microseconds), with the case's wall time per call (CUDA-synchronised, median of 5).
+
+    python benchmarks/profile_gpu.py --out DIR [--cases reference traced untraced]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fp4lab
+from fp4lab.analysis import attention as reference_attention
+from fp4lab.recipes import Trace
+
+
+def _inputs(b, h, s, d, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(b, h, s, d, device="cuda", generator=g).bfloat16() for _ in range(3)]
+
+
+def cases() -> dict:
+    """name -> (description, a closure of one call)."""
+    small = _inputs(1, 16, 4096, 128, 2)
+    big = _inputs(4, 16, 4096, 128, 6)
+    return {
+        "reference": (
+            "simulation path, exact forward, B1 H16 S4096 D128, non-causal",
+            lambda: reference_attention(*small, "exact", causal=False),
+        ),
+        "reference_causal": (
+            "simulation path, exact forward, B1 H16 S4096 D128, causal",
+            lambda: reference_attention(*small, "exact", causal=True),
+        ),
+        "traced": (
+            "fp4lab.attention(backend='triton', trace=Trace()), fa4fp4_causal, B4 H16 S4096 "
+            "D128, non-causal",
+            lambda: fp4lab.attention(*big, "fa4fp4_causal", backend="triton", trace=Trace()),
+        ),
+        "untraced": (
+            "fp4lab.attention(backend='triton'), fa4fp4_causal, B4 H16 S4096 D128, non-causal",
+            lambda: fp4lab.attention(*big, "fa4fp4_causal", backend="triton"),
+        ),
+    }
+
+
+def wall_ms(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", nargs="+", default=["reference", "traced", "untraced"])
+    parser.add_argument("--top", type=int, default=40)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    table = cases()
+    unknown = set(args.cases) - set(table)
+    if unknown:
+        parser.error(f"--cases: unknown {sorted(unknown)}; known {sorted(table)}")
+    result = {"device": torch.cuda.get_device_name(), "cases": {}}
+    for name in args.cases:
+        what, fn = table[name]
+        for _ in range(3):  # compile, allocate, warm the caches
+            fn()
+        ms = wall_ms(fn)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        with open(os.path.join(args.out, f"{name}.txt"), "w") as f:
+            f.write(f"{what}\nwall {ms:.3f} ms per call (median of 5)\n\n")
+            f.write(averages.table(sort_by="cuda_time_total", row_limit=args.top))
+            f.write("\n\nby host time\n")
+            f.write(averages.table(sort_by="cpu_time_total", row_limit=args.top))
+        rows = sorted(
+            (
+                dict(name=e.key, calls=e.count, device_us=e.device_time_total,
+                     self_device_us=e.self_device_time_total, host_us=e.cpu_time_total,
+                     self_host_us=e.self_cpu_time_total)
+                for e in averages
+            ),
+            key=lambda r: -r["self_device_us"],
+        )  # fmt: skip
+        result["cases"][name] = dict(what=what, wall_ms=ms, ops=rows[: args.top * 2])
+        print(f"{name}: {what}: {ms:.3f} ms", flush=True)
+        with open(os.path.join(args.out, "profile_gpu.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
