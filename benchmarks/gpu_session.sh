@@ -11,6 +11,7 @@
 #   eden       tests/kernels/test_flash_eden.py the same way (its rotated backward compiles
 #              for minutes)
 #   bwdtests   tests/kernels/test_flash_bwd.py and test_flash_sr.py the same way
+#   qtests     tests/kernels/test_quantize.py and test_random.py the same way (the quantizers)
 #   forward    the forward bench (kernel alone and the whole call), warmed in 8 shards first
 #   backward   forward plus backward, warmed likewise
 #   trace      the traced forward, warmed likewise
@@ -63,15 +64,16 @@ pytests() {  # $1: log name, then the test files
 }
 nvidia-smi --query-gpu=name,clocks.max.sm,temperature.gpu --format=csv > "$O/gpu.txt" 2>&1
 FWD="--recipes exact flash_bf16 nvfp4 mxfp4 fa4fp4_causal fa3_fp8 --configs 64x64:4:3 128x128:8:3"
-# the backward's warm-up of four recipes at four configurations took 459 s (2026-12-02): two
-# of each
-BWD="--no-kernels --backward --backward-recipes fa4fp4_causal exact --backward-configs 64x64:4:3 128x128:8:2"
+# the backward's warm-up of four recipes at four configurations took 459 s (2026-12-02); the
+# default launch (64 x 64, 4 warps, 3 stages) of the recipes whose backward was never timed
+BWD="--no-kernels --backward --backward-recipes fa4fp4_causal nvfp4 fa3_fp8 attn_qat exact --backward-configs 64x64:4:3"
 for stage in "${STAGES[@]}"; do
   [ "$(left)" -lt 40 ] && { log "no time for $stage"; continue; }
   case $stage in
     tests) pytests tests tests/kernels/test_flash.py tests/kernels/test_trace.py ;;
     eden) pytests eden tests/kernels/test_flash_eden.py ;;
     bwdtests) pytests bwdtests tests/kernels/test_flash_bwd.py tests/kernels/test_flash_sr.py ;;
+    qtests) pytests qtests tests/kernels/test_quantize.py tests/kernels/test_random.py ;;
     forward) warm $FWD; log "forward warm"
              timeout $(left) $BENCH $FWD --out "$O" > "$O/forward.log" 2>&1; log "forward rc $?" ;;
     backward) warm $BWD; log "backward warm"

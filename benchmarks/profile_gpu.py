@@ -5,7 +5,9 @@ fa4fp4_causal; goal 0.4x SDPA), each under torch.profiler after warm-up.
 
 Writes, per case, the operators sorted by their total device time (`<case>.txt`, the
 profiler's own table) and the same as JSON rows (`profile_gpu.json`: name, calls, device and
-host microseconds), with the case's wall time per call (CUDA-synchronised, median of 5).
+host microseconds), with the case's wall time per call (CUDA-synchronised, median of 5), and
+the Python functions of 20 calls under cProfile sorted by their own time
+(`<case>.host.txt`): where a call's host time goes when it exceeds the GPU's.
 
     python benchmarks/profile_gpu.py --out DIR [--cases reference traced untraced]
 """
@@ -13,8 +15,11 @@ host microseconds), with the case's wall time per call (CUDA-synchronised, media
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 
@@ -102,8 +107,24 @@ def main() -> None:
             ),
             key=lambda r: -r["self_device_us"],
         )  # fmt: skip
-        result["cases"][name] = dict(what=what, wall_ms=ms, ops=rows[: args.top * 2])
-        print(f"{name}: {what}: {ms:.3f} ms", flush=True)
+        host = cProfile.Profile()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        host.enable()
+        for _ in range(20):
+            fn()
+        host.disable()
+        host_ms = (time.perf_counter() - start) * 1e3 / 20  # launched, not synchronised
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(args.top)
+        with open(os.path.join(args.out, f"{name}.host.txt"), "w") as f:
+            f.write(f"{what}\nhost {host_ms:.3f} ms per call under cProfile (20 calls, "
+                    f"launch only)\n\n{text.getvalue()}")
+        result["cases"][name] = dict(what=what, wall_ms=ms, host_ms_cprofile=host_ms,
+                                     ops=rows[: args.top * 2])
+        print(f"{name}: {what}: {ms:.3f} ms, host {host_ms:.3f} ms under cProfile", flush=True)
         with open(os.path.join(args.out, "profile_gpu.json"), "w") as f:
             json.dump(result, f, indent=1)
 

@@ -22,6 +22,7 @@ from fp4lab.formats import FloatFormat, QuantSpec, Rounding, ScaleArithmetic, Sc
 
 pytest.importorskip("triton")
 K = importlib.import_module("fp4lab.kernels.quantize")
+from .helpers import DEVICE  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # numpy's IEEE warnings from the interpreter (0 / 0, inf - inf) are the arithmetic under test
@@ -285,7 +286,8 @@ def test_factored_refuses_what_has_no_tensor_scale_to_keep_apart(interpreter):
 
 
 def test_bad_arguments_are_refused():
-    x = torch.ones(4, 32)
+    # on the kernels' device: on a GPU machine a CPU tensor is refused for its device first
+    x = torch.ones(4, 32, device=DEVICE)
     with pytest.raises(TypeError, match="float64"):
         K.quantize(x.double(), "mxfp4")
     with pytest.raises(TypeError, match="generator"):
@@ -293,13 +295,15 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="noise .* seed"):
         K.fake_quantize(x, "nvfp4_sr")
     with pytest.raises(ValueError, match="noise must be a tensor of x's shape"):
-        K.fake_quantize(x, "nvfp4_sr", noise=torch.rand(4, 16, dtype=torch.float64))
+        K.fake_quantize(x, "nvfp4_sr",
+                        noise=torch.rand(4, 16, dtype=torch.float64, device=DEVICE))
     with pytest.raises(ValueError, match="nearest_even for correction=eden"):
-        K.fake_quantize(torch.ones(4, 128), "nvfp4_ms_eden", rounding="stochastic", seed=1)
+        K.fake_quantize(torch.ones(4, 128, device=DEVICE), "nvfp4_ms_eden",
+                        rounding="stochastic", seed=1)
     with pytest.raises(ValueError, match="axis=2 is out of range"):
         K.fake_quantize(x, "mxfp4", axis=2)
     with pytest.raises(ValueError, match="at least one dim and one element"):
-        K.fake_quantize(torch.ones(0, 32), "mxfp4")
+        K.fake_quantize(torch.ones(0, 32, device=DEVICE), "mxfp4")
     huge = FloatFormat(name="e9m2", ebits=9, mbits=2, bias=255)
     with pytest.raises(ValueError, match="outside the kernels' float32 rounding"):
         K.fake_quantize(x, custom("huge", element=huge))
