@@ -430,12 +430,13 @@ def _round_encode_nearest(v, MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_BITS: 
     (max is on the grid and rounding is monotone, so this is the rounded value's saturation),
     then with 2^(q + 23) of its binade (q clamped below at emin - mbits), the sum
     |v| + 2^(q + 23) = 2^(q + 23) + n 2^q holds the quanta n in its low mantissa bits and
-    stays in that binade (n < 2^(mbits + 2)). The code is (e - emin) 2^mbits + n for the
+    stays in that binade (n <= 2^(mbits + 1)). The code is (e - emin) 2^mbits + n for the
     binade e = max(floor(log2 |v|), emin): n >= 2^mbits is the normal's implicit bit, a
     subnormal has e = emin and n < 2^mbits, and n = 2^(mbits + 1) carries into the next
-    binade's code. About a third fewer instructions an element than rounding then encoding."""
+    binade's code. No rounded value is formed and encoded again (torchao_nvfp4_1level's
+    quantize_packed tile: 1168 to 1048 SASS instructions for sm_90)."""
     bits = v.to(tl.int32, bitcast=True)
-    # min(NaN, max) is max: NaN's code is chosen at the end
+    # whatever min gives for NaN, NaN's code is chosen at the end
     a = tl.minimum((bits & 0x7FFFFFFF).to(tl.float32, bitcast=True), _f32(MAX_BITS))
     field = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, (EMIN + 127) << 23)
     big = (field + ((23 - MBITS) << 23)).to(tl.float32, bitcast=True)  # 2^(q + 23)
