@@ -904,6 +904,7 @@ def _fwd_inner(
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, SR: tl.constexpr, SR_BITS: tl.constexpr,
     TRACE: tl.constexpr, N_STATS: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
     P_SHIFT: tl.constexpr, LEAK_PARTS: tl.constexpr, ACC_DOT: tl.constexpr,
+    Z_FMA: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, up (or down, REVERSE): the
     loop runs over a counter, since a loop's step must be positive on the GPU. MASKED
@@ -938,7 +939,9 @@ def _fwd_inner(
             k = tl.load(k_ptrs, mask=inside[None, :], other=0.0)  # (HEAD_DIM, BLOCK_N)
         else:
             k = tl.load(k_ptrs)
-        if TILE_SCOPE:  # K's factor of this key tile
+        if Z_FMA:  # the unscaled products: z below is one fma of them (see Z_FMA)
+            qk = tl.dot(q, k)
+        elif TILE_SCOPE:  # K's factor of this key tile
             kf = tl.load(kf_base + start_n // BLOCK_N)
             qk = tl.dot(q, k) * (qk_scale * kf)  # (BLOCK_M, BLOCK_N), log2 units
         else:
@@ -957,7 +960,10 @@ def _fwd_inner(
         if FIXED:
             m_use = m_i
         else:
-            top = tl.maximum(m_i, tl.max(qk, 1))
+            if Z_FMA:  # qk_scale > 0 and rounding is monotone: max fl(x s) = fl(s max x)
+                top = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            else:
+                top = tl.maximum(m_i, tl.max(qk, 1))
             if LAZY:  # keep the old maximum while the tile raises it by at most LAZY_LOG2 bits
                 m_new = tl.where(top - m_i > LAZY_LOG2, top, m_i)
             else:
@@ -969,7 +975,10 @@ def _fwd_inner(
             alpha = tl.exp2(m_i - m_use)
         if SAVE_M:  # for a backward that replays this P^ (backward=forward_exact)
             tl.store(mref_base + offs_m * n_k + start_n // BLOCK_N, m_use, mask=rows)
-        z = qk - m_use[:, None]  # log2 P
+        if Z_FMA:
+            z = tl.fma(qk, qk_scale, -m_use[:, None])  # log2 P, one rounding
+        else:
+            z = qk - m_use[:, None]  # log2 P
         if TRACE:  # the scores' NaNs per row, so that the scores' tile dies here
             qk_nan = tl.sum((qk != qk).to(tl.float32), 1)
         # -- quantize P --
@@ -1154,6 +1163,8 @@ def _attn_fwd(
     LEAK_PARTS: tl.constexpr = 0,
     # P^ V^ accumulates inside the dot, acc in units of the constant tile factor ACC_FACTOR
     ACC_DOT: tl.constexpr = False, ACC_FACTOR: tl.constexpr = 1.0,
+    # z = S - m in one fma of the unscaled products (`_z_in_one_fma`)
+    Z_FMA: tl.constexpr = False,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
     units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
@@ -1255,7 +1266,7 @@ def _attn_fwd(
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT, LEAK_PARTS,
-        ACC_DOT,
+        ACC_DOT, Z_FMA,
     )
     acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base,
@@ -1266,7 +1277,7 @@ def _attn_fwd(
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT, LEAK_PARTS,
-        ACC_DOT,
+        ACC_DOT, Z_FMA,
     )
     empty = l_i == 0.0
     if ACC_DOT:
@@ -1325,6 +1336,24 @@ def _accumulate_in_dot(pq: PQuantizer, per_tile: bool, fp8: bool) -> dict:
         if pq.MODE == 2 and 2 <= pq.RULE <= 5:  # an alpha grid's 1/M_e
             factor = factor / pq.ELEM[3]
     return dict(ACC_DOT=True, ACC_FACTOR=factor)
+
+
+def _z_in_one_fma(pq: PQuantizer, scale: float, traced: bool, smooth_q: bool,
+                  tile_scope: bool) -> dict:
+    """Z_FMA: whether log2 P = S - m is one fma of the unscaled products, fl(x s - m), rather
+    than fl(fl(x s) - m) (one multiply an element fewer). The row maximum is then
+    fl(s max x), the same value as max fl(x s) since s > 0 and rounding is monotone. Only for
+    P cast element by element (no quantization, a fixed-scale grid, bf16): where the
+    maximum's own z must be exactly 0 (a block scale's power-of-two rule, Direct-P's codes
+    from z, two-level P's row scales), the fused z of the maximum is the product's rounding
+    error instead, which halved mxfp4's block scales on the H200 (see FP_FUSION). The other
+    P elements move by at most an ulp of z against the simulation's two roundings, which the
+    kernel's exp2 (an approximation) already differs from. Not with the trace (its
+    statistics stay those of the simulation's order), smooth_q's added mean scores, per-tile
+    K factors, or a scale that is not positive."""
+    if traced or smooth_q or tile_scope or not scale > 0 or pq.MODE not in (0, 1, MODE_BF16):
+        return {}
+    return dict(Z_FMA=True)
 
 
 _REFERENCES = {"running": 0, "anchor": 1, "zero": 2}
@@ -1611,6 +1640,7 @@ def attention_forward(
         LEAK_PARTS=_LEAK_PARTS[leakage_parts],
         **_accumulate_in_dot(pq, o_prime is not None or trace is not None or tile_scope
                              or leakage_block > 0, pv_fp8),
+        **_z_in_one_fma(pq, scale, trace is not None, mean_scores is not None, tile_scope),
         **instrument,
         num_warps=num_warps,
         num_stages=num_stages,

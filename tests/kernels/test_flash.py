@@ -833,6 +833,34 @@ def test_direct_p_affine_code_map_is_the_simulations(groups, causal):
     assert rel(without, want) > 10 * BUDGET  # the affine blocks move the output
 
 
+def test_scores_minus_the_maximum_is_one_fma_only_where_p_is_cast_element_by_element():
+    # fl(x s - m) moves z by an ulp; where a block scale's power-of-two rule, Direct-P or
+    # two-level P need the row maximum's z to be exactly 0 it stays fl(fl(x s) - m)
+    def decide(name, scale=0.125, traced=False, smooth_q=False, tile_scope=False):
+        pq = triton_backend.p_quantizer(resolve_recipe(name))
+        return flash._z_in_one_fma(pq, scale, traced, smooth_q, tile_scope)
+
+    for name in ("fa4fp4_causal", "fa3_fp8", "flash_bf16", "exact"):
+        assert decide(name) == dict(Z_FMA=True), name
+    for name in ("nvfp4", "mxfp4", "sageattn3"):  # block scales on P
+        assert decide(name) == {}, name
+    assert decide("fa4fp4_causal", traced=True) == {}
+    assert decide("fa4fp4_causal", smooth_q=True) == {}
+    assert decide("fa4fp4_causal", tile_scope=True) == {}
+    assert decide("fa4fp4_causal", scale=-0.125) == {}  # max fl(x s) is then not fl(s max x)
+    assert decide("fa4fp4_causal", scale=0.0) == {}
+
+
+@pytest.mark.parametrize("scale", [0.3, -0.3])
+def test_fused_scores_agree_with_the_simulation_for_either_sign_of_the_scale(scale):
+    # a negative scale takes the unfused path: its row maximum is the products' minimum
+    q, k, v = inputs(1, 2, 1, 200, 200, 64, seed=41)
+    for name in ("fa3_fp8", "flash_bf16"):
+        got = fp4lab.attention(q, k, v, name, backend="triton", scale=scale)
+        want = reference_attention(q, k, v, name, scale=scale)
+        assert rel(got, want) <= BUDGET, (name, scale)
+
+
 def test_p_v_accumulates_inside_the_dot_only_off_the_fp8_tensor_cores():
     # an FP8 dot's accumulator keeps fewer bits than fp32 (on the H200 in-dot accumulation put
     # fa4fp4_causal's output 2.7x further from the simulation): there each tile's product is
