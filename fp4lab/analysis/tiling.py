@@ -196,12 +196,11 @@ class MaskTiles:
 def pairs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x_i y_j^T for query tiles x (B, Hkv, G, n, r, c) and key tiles y (B, Hkv, g, e, c):
     (B, Hkv, G, n, g, r, e) (S = Q K^T, dP = dO V^T)."""
-    b, h, groups, n, r, c = x.shape
-    g, e = y.shape[2], y.shape[3]
-    # one product of the block's query rows by its key rows: no operand copied per tile pair
-    # (a broadcast batched product expands both), each entry the same dot over c
-    out = x.reshape(b, h, groups * n * r, c) @ y.reshape(b, h, g * e, c).transpose(-1, -2)
-    return out.view(b, h, groups, n, r, g, e).transpose(4, 5)
+    # A broadcast batched product: it copies both operands per tile pair (3 ms of the exact
+    # forward's 11 ms on the H200), but one product of the block's query rows by its key rows
+    # rounded the scores differently on CUDA, enough to move nvfp4's dQ from the kernels' by
+    # 1.5e-3 in test_both_backends_default_to_the_same_tiles (RESULTS.md, session 22)
+    return x.unsqueeze(4) @ y.transpose(-1, -2)[:, :, None, None]
 
 
 def times_key(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

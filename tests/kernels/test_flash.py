@@ -858,7 +858,8 @@ def test_fused_scores_agree_with_the_simulation_for_either_sign_of_the_scale(sca
     for name in ("fa3_fp8", "flash_bf16"):
         got = fp4lab.attention(q, k, v, name, backend="triton", scale=scale)
         want = reference_attention(q, k, v, name, scale=scale)
-        assert rel(got, want) <= BUDGET, (name, scale)
+        fp8 = DEVICE == "cuda" and _fp8_pv(resolve_recipe(name))
+        assert rel(got, want) <= (FP8_PV_BUDGET if fp8 else BUDGET), (name, scale)
 
 
 def test_p_v_accumulates_inside_the_dot_only_off_the_fp8_tensor_cores():
