@@ -1351,8 +1351,8 @@ def _z_in_one_fma(pq: PQuantizer, scale: float, traced: bool, smooth_q: bool,
     simulation takes exp(S - m) in natural units, the kernel exp2 of log2-unit scores. Not
     with the trace (its statistics keep the unfused order), smooth_q's added mean scores,
     per-tile K factors, or a scale that is not positive. Measured on the H200 (session 22):
-X
-    (benchmarks/RESULTS.md)."""
+    the FP8 recipes' forward took 1% to 6% less time than without it, their checks against
+    the simulation unchanged (benchmarks/RESULTS.md)."""
     if traced or smooth_q or tile_scope or not scale > 0 or pq.MODE not in (0, 1, MODE_BF16):
         return {}
     return dict(Z_FMA=True)
