@@ -1,7 +1,8 @@
 """Which backward change moves a recipe's gradients from the simulation's on the GPU: the
-gradients of `test_both_backends_default_to_the_same_tiles`'s inputs (nvfp4, B1 H2 S160 D32,
-its default 128 x 128 tiles) against the reference, with the in-dot sums on (the default) and
-off, and the backward kernels at 2 and 3 stages; rows printed as JSON.
+gradients at the shape of `test_both_backends_default_to_the_same_tiles` (B1 H2 S160 D32, the
+recipe's default tiles; inputs of their own, from a CUDA generator, not the test's) against
+the reference, with the in-dot sums on (the default) and off, and the backward kernels at 2
+and 3 stages; rows printed as JSON.
 
     python benchmarks/diag_bwd_gpu.py [--recipes nvfp4 ...]
 """
