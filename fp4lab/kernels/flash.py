@@ -622,12 +622,18 @@ def _quantize_p(
     EMAX_E: tl.constexpr,
     SR: tl.constexpr = False,
     SR_BITS: tl.constexpr = 0,
+    UNITS: tl.constexpr = False,
 ):
     """P^ of a (BLOCK_M, BLOCK_N) tile as (values, tile factor): values are bf16-exact (codes
     times block scales, the lift kept), the tile factor (the tensor decode scale over the
     lift, and 1/M_e for an alpha grid) multiplies the tile's products. SR: the elements round
     stochastically by `words` (uint32, the tile's shape; `tile_words`), else `words` is
-    unused."""
+    unused. UNITS (block scales only): the tile factor's power of two 2^e moves into the
+    block scales, so the values are codes times block scales times 2^e and the factor
+    returned is its significand r in [1, 2) (NaN stays NaN): values times factor are the same
+    numbers, and any sum of the values times r the same bits as without UNITS, while the
+    block scales times 2^e stay normal floats (the tile's elements above 2^-120 or so, far
+    below anything an output keeps: `_accumulate_in_dot`)."""
     x = p * LIFT
     if MODE == 0:
         return x, 1.0 / LIFT
@@ -660,10 +666,14 @@ def _quantize_p(
         codes = _round_stochastic(scaled, block_words, EQ_LO, EQ_HI, E_UNIT, E_MAX, SR_BITS)
     else:
         codes = _round(scaled, EQ_LO, EQ_HI, E_UNIT, E_MAX)
-    values = tl.reshape(codes * store[:, :, None], (BLOCK_M, BLOCK_N))
     tile_factor = decode / LIFT
     if RULE >= 2 and RULE <= 5:  # an alpha grid
         tile_factor = tile_factor / E_MAX
+    if UNITS:  # 2^e into the block scales (exact while they stay normal), r out
+        e, r = _log2_parts(tile_factor)
+        store = store * _pow2(tl.minimum(e, 127))
+        tile_factor = tl.where(tile_factor == tile_factor, r, tile_factor)
+    values = tl.reshape(codes * store[:, :, None], (BLOCK_M, BLOCK_N))
     return values, tile_factor
 
 
@@ -889,8 +899,8 @@ def _trace_p_tile(
 # fmt: off
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base, n_k,
-    offs_m, rows, qk_scale, inv_vf, kf_base, vf_base, Sk, stride_kn, stride_kd, stride_vn,
+    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, unit, q, k_base, v_base, vp_base, mref_base, ms_base,
+    n_k, offs_m, rows, qk_scale, inv_vf, kf_base, vf_base, Sk, stride_kn, stride_kd, stride_vn,
     stride_vd, stride_pn, stride_pd, first, count, stats_base, lost_base, sr_k0, sr_k1, batch, head,
     MASKED: tl.constexpr, SAVE_M: tl.constexpr, LEAK: tl.constexpr, REVERSE: tl.constexpr,
     SMOOTH_Q: tl.constexpr, TILE_SCOPE: tl.constexpr,
@@ -904,7 +914,7 @@ def _fwd_inner(
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, SR: tl.constexpr, SR_BITS: tl.constexpr,
     TRACE: tl.constexpr, N_STATS: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
     P_SHIFT: tl.constexpr, LEAK_PARTS: tl.constexpr, ACC_DOT: tl.constexpr,
-    Z_FMA: tl.constexpr,
+    Z_FMA: tl.constexpr, ACC_UNITS: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, up (or down, REVERSE): the
     loop runs over a counter, since a loop's step must be positive on the GPU. MASKED
@@ -924,7 +934,10 @@ def _fwd_inner(
     a row), and the sums of P^ and P (l_hat, l_pl) rescaled as l_i. P_SHIFT: Direct-P's
     stored-scale shift S (LIFT = 2^-S): the unquantized P that P V or the row sum takes (the
     leakage fix's diagonal, an unquantized row sum) enters as P 2^-S, from exp2(z - S) where
-    P itself passes float32 (log2 P >= 128, which a fixed row reference permits)."""
+    P itself passes float32 (log2 P >= 128, which a fixed row reference permits). ACC_UNITS
+    (with ACC_DOT, a per-tile tensor scale of P): acc is held in units of `unit`, the last
+    tile factor's significand (`_quantize_p`'s UNITS), and moves into each tile's own before
+    its dot."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -1007,6 +1020,7 @@ def _fwd_inner(
             p_hat, factor = _quantize_p(
                 p_q, words, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
                 SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, SR, SR_BITS,
+                ACC_UNITS,
             )
         if MASKED and LEAK > 0:  # the leakage fix: the diagonal blocks' P leaves P^
             diagonal = (offs_m[:, None] // LEAK) == (offs_n[None, :] // LEAK)
@@ -1036,7 +1050,14 @@ def _fwd_inner(
             else:
                 l_p = l_p * alpha + tl.sum(p, 1)
         if ACC_DOT:  # acc (in units of the constant tile factor) accumulates in the dot
-            if not FIXED:
+            if ACC_UNITS:  # from the last tile's units into this one's: r' / r in (1/2, 2)
+                ratio = tl.div_rn(unit, factor)
+                if FIXED:
+                    acc = acc * ratio
+                else:
+                    acc = acc * (alpha * ratio)[:, None]
+                unit = factor
+            elif not FIXED:
                 acc = acc * alpha[:, None]
             pv = acc
         else:
@@ -1133,7 +1154,7 @@ def _fwd_inner(
                 l_pl = l_pl * alpha + tl.sum(p, 1)
         if not FIXED:
             m_i = m_new
-    return acc, l_i, m_i, acc_p, l_p, l_hat, l_pl
+    return acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, unit
 
 
 @triton.jit
@@ -1161,8 +1182,9 @@ def _attn_fwd(
     OVER: tl.constexpr = 0.0, P_SHIFT: tl.constexpr = 0,
     # the leakage fix's parts: 0 P and V unquantized on the diagonal blocks, 1 P alone
     LEAK_PARTS: tl.constexpr = 0,
-    # P^ V^ accumulates inside the dot, acc in units of the constant tile factor ACC_FACTOR
-    ACC_DOT: tl.constexpr = False, ACC_FACTOR: tl.constexpr = 1.0,
+    # P^ V^ accumulates inside the dot, acc in units of the constant tile factor ACC_FACTOR,
+    # or (ACC_UNITS) of each tile's own factor's significand
+    ACC_DOT: tl.constexpr = False, ACC_FACTOR: tl.constexpr = 1.0, ACC_UNITS: tl.constexpr = False,
     # z = S - m in one fma of the unscaled products (`_z_in_one_fma`)
     Z_FMA: tl.constexpr = False,
 ):
@@ -1246,6 +1268,7 @@ def _attn_fwd(
     else:  # unused
         l_hat = tl.zeros([1], dtype=tl.float32)
         l_pl = tl.zeros([1], dtype=tl.float32)
+    unit = tl.full([], 1.0, tl.float32)  # ACC_UNITS' acc units (unused otherwise)
     n_free = Sk // BLOCK_N  # whole key tiles
     if CAUSAL:
         n_tiles = tl.minimum(n_tiles, tl.cdiv(tl.minimum(m0 + BLOCK_M, Sq), BLOCK_N))
@@ -1257,30 +1280,32 @@ def _attn_fwd(
         first1, count1, first2, count2 = n_tiles - 1, n_tiles - n_free, n_free - 1, n_free
     else:
         first1, count1, first2, count2 = 0, n_free, n_free, n_tiles - n_free
-    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
-        acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base,
-        n_k, offs_m, rows, qk_scale, inv_vf, kf_base, vf_base, Sk, stride_kn, stride_kd,
+    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, unit = _fwd_inner(
+        acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, unit, q, k_base, v_base, vp_base, mref_base,
+        ms_base, n_k, offs_m, rows, qk_scale, inv_vf, kf_base, vf_base, Sk, stride_kn, stride_kd,
         stride_vn, stride_vd, stride_pn, stride_pd, first1, count1, stats_base, lost_base, sr_k0,
         sr_k1, sr_b, h,
         REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, TILE_SCOPE, HEAD_DIM, V_DIM, BLOCK_M,
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT, LEAK_PARTS,
-        ACC_DOT, Z_FMA,
+        ACC_DOT, Z_FMA, ACC_UNITS,
     )
-    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl = _fwd_inner(
-        acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, q, k_base, v_base, vp_base, mref_base, ms_base,
-        n_k, offs_m, rows, qk_scale, inv_vf, kf_base, vf_base, Sk, stride_kn, stride_kd,
+    acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, unit = _fwd_inner(
+        acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, unit, q, k_base, v_base, vp_base, mref_base,
+        ms_base, n_k, offs_m, rows, qk_scale, inv_vf, kf_base, vf_base, Sk, stride_kn, stride_kd,
         stride_vn, stride_vd, stride_pn, stride_pd, first2, count2, stats_base, lost_base, sr_k0,
         sr_k1, sr_b, h,
         not REVERSE, SAVE_M, LEAK, REVERSE, SMOOTH_Q, TILE_SCOPE, HEAD_DIM, V_DIM, BLOCK_M,
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT, LEAK_PARTS,
-        ACC_DOT, Z_FMA,
+        ACC_DOT, Z_FMA, ACC_UNITS,
     )
     empty = l_i == 0.0
-    if ACC_DOT:
+    if ACC_UNITS:
+        acc = acc * unit
+    elif ACC_DOT:
         acc = acc * ACC_FACTOR
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * out_factor
     if P_SHIFT != 0:  # Direct-P's sums ran on P^ 2^-S: the log-sum-exp of P^ itself, from
@@ -1313,12 +1338,20 @@ def _attn_fwd(
 def _accumulate_in_dot(pq: PQuantizer, per_tile: bool, fp8: bool) -> dict:
     """ACC_DOT and ACC_FACTOR: whether the tile's P^ V^ accumulates inside its `tl.dot` (as
     Triton's fused-attention tutorial does: acc = dot(P, V, alpha acc), no second fp32 tile
-    in registers) with acc in units of the tile factor, applied once at the end. Only where
-    that factor is one constant for the whole call: not with a per-tile tensor scale (TENSOR),
-    two-level P's row scales, or what needs each tile's own product (`per_tile`: O', the
+    in registers) with acc in units of the tile factor, applied once at the end, where that
+    factor is one constant for the whole call. With a per-tile tensor scale (TENSOR: NVFP4's
+    P) ACC_UNITS as well: each tile factor f = 2^e r splits, 2^e into P^'s block scales
+    (exact) and acc held in units of r, moved from the last tile's r' by acc r' / r (a
+    factor in (1/2, 2), so no tile's scale can overflow or underflow acc however far the
+    tiles' maxima lie apart) before the dot adds the tile, times the last r at the end. Not
+    with two-level P's row scales, or what needs each tile's own product (`per_tile`: O', the
     trace, per-tile operand factors, the leakage fix's diagonal terms). The result differs
     from the per-tile product's only by rounding order (the factor is a power of two or
-    1/M_e, applied once rather than per tile). Not where P^ and V^ meet on the FP8 tensor
+    1/M_e, applied once rather than per tile; with ACC_UNITS one rounding of acc a tile, as
+    the per-tile product's fma has, and the row sums the same bits). With ACC_UNITS, P^'s
+    elements below about 2^-120 (their block scales times 2^e past fp32's normal range) may
+    lose bits, an absolute error below 1e-36 of an output whose row sum is at least one
+    element's 1. Not where P^ and V^ meet on the FP8 tensor
     cores (`fp8`): their accumulator keeps fewer bits than fp32 (DeepSeek-V3's report puts it
     near 14), so the running output inside the dot loses what an fp32 sum keeps. On the
     H200 (2026-12-02) it moved fa4fp4_causal's output from 5.9e-4 of the simulation's to
@@ -1327,8 +1360,10 @@ def _accumulate_in_dot(pq: PQuantizer, per_tile: bool, fp8: bool) -> dict:
     DeepSeek-V3 promotes its FP8 partial sums). FlashAttention-3's FP8 kernel does
     accumulate O inside its wgmma (hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp, zero_init
     false), which this kernel does not model."""
-    if per_tile or fp8 or not pq.constant_factor:
+    if per_tile or fp8:
         return {}
+    if not pq.constant_factor:
+        return dict(ACC_DOT=True, ACC_UNITS=True) if pq.MODE == 2 and pq.TENSOR else {}
     if pq.MODE == 3:  # Direct-P's values are u / M_e, its factor 1 / E_MAX
         factor = 1.0 / pq.ELEM[3]
     else:

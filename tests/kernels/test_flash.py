@@ -862,6 +862,31 @@ def test_fused_scores_agree_with_the_simulation_for_either_sign_of_the_scale(sca
         assert rel(got, want) <= (FP8_PV_BUDGET if fp8 else BUDGET), (name, scale)
 
 
+@pytest.mark.parametrize("reference", ["RUNNING_MAX", "ZERO"])
+def test_per_tile_p_scales_accumulate_in_the_dot_across_far_apart_tiles(reference, monkeypatch):
+    # ACC_UNITS (NVFP4's per-tile tensor scale of P): acc in units of each tile factor's
+    # significand. Key tiles whose scores lie about 50 and 100 below the rows' maxima give P
+    # tile maxima near 2^-72 and 2^-144 (P itself subnormal or flushed), so the tile factors
+    # span far more than fp32 could hold as one acc unit; the output must still be the
+    # simulation's, and the per-tile product's (ACC_UNITS off) to the same budget
+    recipe = dataclasses.replace(
+        resolve_recipe("nvfp4"), name=f"nvfp4_{reference.lower()}",
+        row_reference=type(resolve_recipe("nvfp4").row_reference)[reference],
+    )  # fmt: skip
+    q, k, v = inputs(1, 2, 2, 130, 200, 64, seed=43)
+    q[..., 0], k[..., 0] = 4.0, 1.0
+    k[:, :, 64:128, 0], k[:, :, 128:192, 0] = -100.0, -200.0
+    got = fp4lab.attention(q, k, v, recipe, causal=False, backend="triton", block_m=64, block_n=64)
+    want = reference_attention(q, k, v, recipe, causal=False, block_m=64, block_n=64)
+    accumulate = flash._accumulate_in_dot
+    monkeypatch.setattr(flash, "_accumulate_in_dot", lambda pq, per_tile, fp8: (
+        {} if not pq.constant_factor else accumulate(pq, per_tile, fp8)))
+    per_tile = fp4lab.attention(q, k, v, recipe, causal=False, backend="triton", block_m=64,
+                                block_n=64)  # fmt: skip
+    assert torch.isfinite(got).all()
+    assert rel(got, want) <= BUDGET and rel(got, per_tile) <= BUDGET
+
+
 def test_p_v_accumulates_inside_the_dot_only_off_the_fp8_tensor_cores():
     # an FP8 dot's accumulator keeps fewer bits than fp32 (on the H200 in-dot accumulation put
     # fa4fp4_causal's output 2.7x further from the simulation): there each tile's product is
@@ -873,4 +898,7 @@ def test_p_v_accumulates_inside_the_dot_only_off_the_fp8_tensor_cores():
     )
     assert flash._accumulate_in_dot(fp8_p, per_tile=True, fp8=False) == {}  # a trace, O', ...
     nvfp4_p = triton_backend.p_quantizer(resolve_recipe("nvfp4"))  # a tensor scale per tile
-    assert flash._accumulate_in_dot(nvfp4_p, per_tile=False, fp8=False) == {}
+    assert flash._accumulate_in_dot(nvfp4_p, per_tile=False, fp8=False) == dict(
+        ACC_DOT=True, ACC_UNITS=True
+    )
+    assert flash._accumulate_in_dot(nvfp4_p, per_tile=True, fp8=False) == {}
