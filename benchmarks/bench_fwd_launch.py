@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention_gpu import _config, check, kernel_call  # noqa: E402
 
 from fp4lab.kernels import flash  # noqa: E402
+from fp4lab.recipes import resolve_recipe  # noqa: E402
 
 SHAPE = dict(B=4, H=16, S=4096, D=128)
 LAST = {}  # the last launched forward kernel's registers and spills
@@ -51,7 +52,7 @@ def variant(name: str):
     def launch_recorded(kernel, grid, args, constants):
         extra = {} if cap is None else {"maxnreg": cap}
         compiled = kernel[grid](*args, **constants, **extra)
-        if kernel is flash._attn_fwd:
+        if kernel is flash._attn_fwd and compiled is not None:  # None under the interpreter
             compiled._init_handles()
             LAST.update(registers=compiled.n_regs, spills=compiled.n_spills)
 
@@ -100,8 +101,9 @@ def main() -> None:
                                variant=name, sdpa_ms=sdpa)  # fmt: skip
                     try:
                         with variant(name):
-                            err = check(recipe, causal, bm, bn)
-                            call = kernel_call(recipe, q, k, v, causal, bm, bn, warps, stages)
+                            err = check(resolve_recipe(recipe), causal, bm, bn)
+                            call = kernel_call(resolve_recipe(recipe), q, k, v, causal, bm, bn,
+                                               warps, stages)  # fmt: skip
                             ms = triton.testing.do_bench(call)
                         row.update(ms=ms, x_sdpa=sdpa / ms, check=err, **LAST)
                     except Exception as error:  # a variant that does not compile or fit
