@@ -25,10 +25,16 @@ low word first; `uniform53` makes two words into a double in [0, 1) on the grid 
 one counter gives two uniforms.
 
 How, in torch. torch has no uint32 arithmetic, so a word is an int64 holding a value in
-[0, 2^32). The product M * c can reach 2^64 - 2^33 + 1 and overflow int64; instead
-s = (M - 2^32) * c is taken, which lies in (-2^62, 0] since 2^32 - M < 2^30. Then
-M * c = s + 2^32 c gives lo = s & (2^32 - 1) and hi = c + (s >> 32), the shift being an
-arithmetic one (a floor division): exact, with no overflow.
+[0, 2^32). The product p = M * c can reach 2^64 - 2^33 + 1; torch's int64 product wraps
+modulo 2^64 (two's complement, on the CPU as on CUDA: the instructions it compiles to), so
+its 64 bits are the unsigned product's and lo = p & (2^32 - 1), hi = (p >> 32) & (2^32 - 1)
+(the arithmetic shift copies the sign bit into the upper half, which the mask clears). The
+tests compare every round with Python's integers. On full-size buffers the masks are taken
+once per new word: a round leaves c1 and c3 as the whole products whose low words they are,
+and the next round's mask of c0 = hi ^ c1 ^ k0 (and of c2) clears those high words together
+with the shift's sign bits; the last round's c1 and c3 are masked at the end. (An exact
+product without wrapping, (M - 2^32) c and hi = c + (s >> 32), costs an int64 addition per
+product, as slow on the CPU as the product itself.)
 
 Counters usually come as a grid: each word varies along a few dims of the broadcast shape
 (for stochastic rounding, c0 along the columns, c1 along the rows, c2 with the head, c3 with
@@ -69,7 +75,6 @@ PHILOX_W32_1 = 0xBB67AE85
 
 _WORD_MASK = 0xFFFFFFFF
 _CPU_PIECE = 1 << 18  # elements per piece of the broadcast shape on the CPU (seven int64 buffers)
-_MULTIPLIERS_MINUS_2_32 = (PHILOX_M4x32_0 - (1 << 32), PHILOX_M4x32_1 - (1 << 32))  # in (-2^30, 0)
 
 
 def philox4x32(
@@ -137,10 +142,12 @@ def _philox_piece(words, shape: torch.Size, rounds: int, scratch: torch.Tensor |
 def _broadcast_round(c0, c1, c2, c3, k0, k1):
     """One Philox round on broadcastable words: each product on its own word's shape, each
     new word on the broadcast shape of the words it mixes."""
-    s0 = c0 * _MULTIPLIERS_MINUS_2_32[0]
-    hi0, lo0 = torch.bitwise_right_shift(s0, 32).add_(c0), s0.bitwise_and_(_WORD_MASK)
-    s1 = c2 * _MULTIPLIERS_MINUS_2_32[1]
-    hi1, lo1 = torch.bitwise_right_shift(s1, 32).add_(c2), s1.bitwise_and_(_WORD_MASK)
+    p0 = c0 * PHILOX_M4x32_0  # wraps modulo 2^64: the unsigned product's bits
+    hi0 = torch.bitwise_right_shift(p0, 32).bitwise_and_(_WORD_MASK)
+    lo0 = p0.bitwise_and_(_WORD_MASK)
+    p1 = c2 * PHILOX_M4x32_1
+    hi1 = torch.bitwise_right_shift(p1, 32).bitwise_and_(_WORD_MASK)
+    lo1 = p1.bitwise_and_(_WORD_MASK)
     return _xor3(hi1, c1, k0), lo1, _xor3(hi0, c3, k1), lo0
 
 
@@ -166,23 +173,26 @@ def _next_keys(k0, k1):
 
 def _rounds(counters: list[torch.Tensor], spares: list[torch.Tensor], k0, k1, rounds: int):
     """`rounds` Philox rounds on four equal-shape word tensors, overwriting them and the three
-    equal-shape spare buffers; returns the four result words (some of those seven buffers)."""
+    equal-shape spare buffers; returns the four result words (some of those seven buffers).
+    Between rounds c1 and c3 hold whole 64-bit products, masked by the next round or at the
+    end (the module docstring, "How, in torch")."""
     c0, c1, c2, c3 = counters
-    lo0, hi0, hi1 = spares
+    p0, hi0, hi1 = spares
     for _ in range(rounds):
-        # -- (hi0, lo0) = M0 * c0 --
-        torch.mul(c0, _MULTIPLIERS_MINUS_2_32[0], out=lo0)
-        torch.bitwise_right_shift(lo0, 32, out=hi0).add_(c0)
-        lo0.bitwise_and_(_WORD_MASK)
-        # -- (hi1, lo1) = M1 * c2, lo1 written over c0, which is no longer needed --
-        lo1 = torch.mul(c2, _MULTIPLIERS_MINUS_2_32[1], out=c0)
-        torch.bitwise_right_shift(lo1, 32, out=hi1).add_(c2)
-        lo1.bitwise_and_(_WORD_MASK)
-        # -- the new counter; the buffers of the old c1, c2, c3 become the spares --
-        hi1.bitwise_xor_(c1).bitwise_xor_(k0)
-        hi0.bitwise_xor_(c3).bitwise_xor_(k1)
-        (c0, c1, c2, c3), (lo0, hi0, hi1) = (hi1, lo1, hi0, lo0), (c1, c2, c3)
+        # -- p0 = M0 * c0 and p1 = M1 * c2 (p1 written over c0, no longer needed); the low
+        #    words are the new c3 and c1, the high words (sign bits above) mix below --
+        torch.mul(c0, PHILOX_M4x32_0, out=p0)
+        torch.bitwise_right_shift(p0, 32, out=hi0)
+        p1 = torch.mul(c2, PHILOX_M4x32_1, out=c0)
+        torch.bitwise_right_shift(p1, 32, out=hi1)
+        # -- the new c0 and c2, masked to 32 bits; the old c1, c2, c3 become the spares --
+        hi1.bitwise_xor_(c1).bitwise_xor_(k0).bitwise_and_(_WORD_MASK)
+        hi0.bitwise_xor_(c3).bitwise_xor_(k1).bitwise_and_(_WORD_MASK)
+        (c0, c1, c2, c3), (p0, hi0, hi1) = (hi1, p1, hi0, p0), (c1, c2, c3)
         k0, k1 = _next_keys(k0, k1)
+    if rounds:  # the last products' low words
+        c1.bitwise_and_(_WORD_MASK)
+        c3.bitwise_and_(_WORD_MASK)
     return c0, c1, c2, c3
 
 
