@@ -25,6 +25,7 @@ NaN scale, as OCP MX specifies, so the whole block dequantizes to NaN).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -226,7 +227,7 @@ def quantize_blocks(
         xw = _hadamard(xw, spec, axis, inverse=False)
     layout = _layout(spec, x.shape, axis, batch_dims)
     blocks = layout.to_blocks(xw)  # (..., blocks, block elements)
-    amax = _block_amax(blocks).float()
+    amax = _block_amax(blocks, xw, layout).float()
     noise = _noise_blocks(noise, x, layout)
     if spec.correction is Correction.EDEN:
         if noise is None:
@@ -270,13 +271,24 @@ def _eden(layout, blocks, amax, spec: QuantSpec, uniforms, batch_dims: int) -> B
     return BlockQuantized(layout, amax, scaled, values, scales, decode)
 
 
-def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
-    """max |x| over the last dim (NaN propagates; +0 for all-zero and empty blocks).
-    On the CPU a max-pool over rows of blocks is 2.5x faster than amax over a last dim of 16
-    (and aminmax is slower still); both are exact. Elsewhere amax: CUDA's max-pool reads each
-    window on one thread, so a whole-tensor block (2^21 elements) would be read serially."""
+def _block_amax(blocks: torch.Tensor, x: torch.Tensor | None = None, layout=None) -> torch.Tensor:
+    """max |x| over each block, the last dim of `blocks` (x in block layout; `x` and `layout`,
+    where given, x in its own layout and the map between them; NaN propagates; +0 for
+    all-zero and empty blocks). All ways below are exact. 1-D blocks along a dim
+    other than the last, cutting it evenly, are reduced in x's own layout (..., blocks,
+    size, inner): the elements one maximum compares then lie side by side, where in block
+    layout each block is strided (12x faster on the CPU for blocks of 16 rows of a
+    contiguous tile). Otherwise, on the CPU, a max-pool over rows of blocks is 2.5x faster
+    than amax over a last dim of 16 (and aminmax is slower still). Elsewhere amax: CUDA's
+    max-pool reads each window on one thread, so a whole-tensor block (2^21 elements) would
+    be read serially."""
     if blocks.shape[-1] == 0 or blocks.numel() == 0:
         return blocks.new_zeros(blocks.shape[:-1])
+    if (isinstance(layout, _Blocks1D) and x is not None and layout.axis != x.ndim - 1
+            and layout.nblocks * layout.size == layout.n):
+        rows = x.abs().unflatten(layout.axis, (layout.nblocks, layout.size))
+        amax = rows.amax(dim=layout.axis + 1).movedim(layout.axis, -1).contiguous()
+        return amax.masked_fill_(amax.isnan(), math.nan)  # its vector max gives NaN all ones
     magnitudes = blocks.abs()
     if (magnitudes.device.type != "cpu" or magnitudes.ndim < 2
             or not magnitudes.is_contiguous()):

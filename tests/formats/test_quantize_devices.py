@@ -62,3 +62,22 @@ def test_the_cpus_max_pool_gives_the_amax_other_devices_take(block):
     reduced = x.abs().amax(dim=-1)
     torch.testing.assert_close(pooled, reduced, rtol=0, atol=0, equal_nan=True)
     assert not torch.signbit(pooled).any()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_blocks_across_rows_take_their_amax_in_the_tensors_own_layout(axis):
+    """1-D blocks along a dim other than the last reduce in x's own layout: the same bits as
+    the amax over the block layout, on zeros of either sign, subnormals, inf and NaN (the
+    quiet NaN 0x7FC00000, which torch's vector maximum over a middle dim does not give)."""
+    x = spread((64, 48, 40), seed=5)
+    specials = torch.tensor([0.0, -0.0, 2.0**-149, -(2.0**-140), math.inf, -math.inf, math.nan])
+    x[1, :7, 3] = specials
+    x[16:32, 5] = -0.0
+    x[2, 40:, 7] = math.nan
+    spec = quantize_module.resolve_spec("nvfp4")
+    layout = quantize_module._layout(spec, x.shape, axis)
+    blocks = layout.to_blocks(x)
+    rows = quantize_module._block_amax(blocks, x, layout)
+    reduced = blocks.abs().amax(dim=-1)
+    assert torch.equal(rows.view(torch.int32), reduced.view(torch.int32))
+    assert bool(rows.isnan().any())
