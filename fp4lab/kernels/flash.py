@@ -170,6 +170,27 @@ def _hardware_bf16() -> bool:
 HW_BF16 = tl.constexpr(_hardware_bf16())
 
 
+def _hardware_rcp() -> bool:
+    """Whether compiled kernels take a correctly rounded reciprocal in range (`_reciprocal`)
+    as the GPU's own correctly rounded reciprocal takes it (ptxas's `rcp.rn.f32`: the
+    hardware's approximate reciprocal and one fused Newton step, three instructions) rather
+    than from `tl.div_rn(1, d)`, whose range checks and fallback call take about eleven
+    issue slots: NVIDIA GPUs only (inline PTX), not under Triton's interpreter (no PTX), nor
+    with FP4LAB_HW_RCP=0. The same bits either way: both are IEEE's correctly rounded 1 / d
+    (tests/kernels/test_flash.py checks every significand at the range's ends on a GPU)."""
+    if os.environ.get("FP4LAB_HW_RCP", "1") == "0":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return not (torch.cuda.is_available() and torch.version.hip is not None)
+
+
+HW_RCP = tl.constexpr(_hardware_rcp())
+# `_reciprocal`'s range: d normal and below 2^126 (an exponent field of 1 to 252), where the
+# hardware's approximate reciprocal and one Newton step are the correctly rounded 1 / d
+RCP_LO, RCP_HI = tl.constexpr(2.0**-126), tl.constexpr(2.0**126)
+
+
 # -- device functions: rounding onto a format's grid, and P's block scales -------------------------
 @triton.jit
 def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: tl.constexpr):
@@ -464,14 +485,31 @@ def _div(a, b):
 
 
 @triton.jit
+def _reciprocal(d):
+    """1 / d correctly rounded for fp32 d with RCP_LO <= |d| < RCP_HI (callers keep d there):
+    with HW_RCP the fast path of ptxas's own `rcp.rn.f32` for such d, r = rcp.approx(d)
+    then r + r (1 - d r) in one fma (its range check and fallback left out, since d is in
+    range), else `tl.div_rn`."""
+    if HW_RCP:  # in one asm block, so that the negation folds into the last fma
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 r, e; rcp.approx.ftz.f32 r, $1; fma.rn.f32 e, $1, r, 0fBF800000; "
+            "neg.f32 e, e; fma.rn.f32 $0, r, e, r; }",
+            "=r,r", [d], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    return tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+
+
+@triton.jit
 def _div_by_short(x, s):
     """x / s correctly rounded, for fp32 x and normal fp32 s of at most 4 significant bits (an
     E4M3 or UE5M3 scale), by one reciprocal per block and two fmas per element: q = x RN(1/s),
     r = fma(-q, s, x) (exact), x / s = fma(r, RN(1/s), q) (Markstein's correction). Equal to
     the IEEE quotient for every fp32 significand of x against every 4-bit significand of s
     (tests/kernels/test_flash.py checks all of them on a GPU, a sample under the interpreter);
-    not so for longer s, where q can be off by more than the one ulp the correction needs."""
-    y = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    not so for longer s, where q can be off by more than the one ulp the correction needs.
+    RN(1/s) by `_reciprocal` where s lies in its range (normal and below 2^126: callers pass
+    such scales), else `tl.div_rn`."""
+    y = _reciprocal(s)
     q = x * y
     return tl.fma(tl.fma(-q, s, x), y, q)
 
@@ -539,11 +577,29 @@ def _block_scales(
         else:
             t = tl.div_rn(amax, tl.zeros_like(amax) + M_E)
         store = _round(t, SCALE_Q_LO, SCALE_Q_HI, SCALE_UNIT, SCALE_MAX)
-        factor = tl.where(store == 0.0, 0.0, _div(1.0, store))  # RECIPROCAL
+        # every nonzero scale in `_reciprocal`'s range: its smallest subnormal and its largest
+        SHORT: tl.constexpr = SCALE_Q_LO * SCALE_UNIT >= RCP_LO and SCALE_MAX < RCP_HI
+        if SHORT:
+            factor = tl.where(store == 0.0, 0.0, _reciprocal(store))  # RECIPROCAL
+        else:
+            factor = tl.where(store == 0.0, 0.0, _div(1.0, store))
         if ARITH == 0:  # EXACT: x / s
             divisor = store
         elif ARITH == 1:
-            factor = tl.minimum(_div(1.0, store * decode), 3.4028234663852886e38)
+            d = store * decode
+            if not SHORT:
+                inverse = _div(1.0, d)
+            elif TENSOR:  # the tile's decode scale (uniform): d in range unless it is extreme
+                if decode * (SCALE_Q_LO * SCALE_UNIT) >= RCP_LO and decode * SCALE_MAX < RCP_HI:
+                    # a zero d (a zero scale) gives NaN here where 1 / d is inf: the clamp
+                    # below takes either to the float32 maximum (a compiled tl.minimum keeps
+                    # the number of a NaN and a number, the interpreter's `_div` gives inf)
+                    inverse = _reciprocal(d)
+                else:
+                    inverse = _div(1.0, d)
+            else:
+                inverse = _reciprocal(d)
+            factor = tl.minimum(inverse, 3.4028234663852886e38)
             if not TENSOR:  # fp4-fa4's Q/K quantizer: a zero scale's multiplier is 0
                 factor = tl.where(store == 0.0, 0.0, factor)
         elif ARITH == 3:  # DIVIDE_UNROUNDED: x / t
@@ -582,14 +638,14 @@ def _block_scales(
 
 @triton.jit
 def _scaled_blocks(blocks, factor, divisor, RULE: tl.constexpr, ARITH: tl.constexpr,
-                   S_UNIT: tl.constexpr, SQ_LO: tl.constexpr):
+                   S_UNIT: tl.constexpr, SQ_LO: tl.constexpr, S_MAX: tl.constexpr):
     """The elements of (rows, n blocks, QBLOCK) blocks over their scales as `_quantize_p`
     rounds them (and `_p_counts` recounts them): divided by the rounded scale where the
     reference divides (EXACT or DIVIDE_UNROUNDED with the NEAREST rule; the IEEE quotient,
     `_div_by_short` where the scale is short enough), else times the block factor."""
     if (ARITH == 0 or ARITH == 3) and RULE == 0:
         den = tl.where(divisor == 0.0, 1.0, divisor)[:, :, None]
-        if ARITH == 0 and S_UNIT >= 0.125 and SQ_LO * S_UNIT >= 1.1754943508222875e-38:
+        if ARITH == 0 and S_UNIT >= 0.125 and SQ_LO * S_UNIT >= RCP_LO and S_MAX < RCP_HI:
             scaled = _div_by_short(blocks, den)
         else:
             scaled = tl.div_rn(blocks, den)
@@ -660,7 +716,7 @@ def _quantize_p(
         TENSOR,
         EMAX_E,
     )
-    scaled = _scaled_blocks(blocks, factor, divisor, RULE, ARITH, S_UNIT, SQ_LO)
+    scaled = _scaled_blocks(blocks, factor, divisor, RULE, ARITH, S_UNIT, SQ_LO, S_MAX)
     if SR:
         block_words = tl.reshape(words, (BLOCK_M, BLOCK_N // QBLOCK, QBLOCK))
         codes = _round_stochastic(scaled, block_words, EQ_LO, EQ_HI, E_UNIT, E_MAX, SR_BITS)
@@ -800,7 +856,7 @@ def _p_counts(
             amax, tl.max(tl.max(amax, axis=1), axis=0), E_MAX, 1.0 / E_MAX, SQ_LO, SQ_HI, S_UNIT,
             S_MAX, E_LO, E_HI, RULE, ARITH, TENSOR, EMAX_E,
         )  # fmt: skip
-        scaled = _scaled_blocks(xb, factor, divisor, RULE, ARITH, S_UNIT, SQ_LO)
+        scaled = _scaled_blocks(xb, factor, divisor, RULE, ARITH, S_UNIT, SQ_LO, S_MAX)
         # clipped where the block stores a nonzero scale (a zero scale stores zeros: flushed)
         past = (scaled > E_MAX) & (store > 0.0)[:, :, None]
         clipped = tl.sum(tl.sum(past.to(tl.float32), 2), 1)

@@ -515,6 +515,40 @@ def test_division_by_a_short_scale_is_the_ieee_quotient():
 
 
 @triton.jit
+def _reciprocal_kernel(X, Out, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < N
+    x = tl.load(X + offs, mask=inside, other=1.0)
+    tl.store(Out + offs, flash._reciprocal(x), mask=inside)
+
+
+def test_the_reciprocal_in_range_is_the_ieee_one():
+    # `_reciprocal` (HW_RCP on a GPU: the hardware's approximate reciprocal and one Newton
+    # step) against the correctly rounded 1 / d: on a GPU every significand at the range's
+    # two ends (exponent fields 1 and 252), at 1 and at E4M3's binades, and 2^22 random d
+    # over the whole range; under the interpreter (tl.div_rn) a sample. Both signs.
+    g = torch.Generator().manual_seed(12)
+    if DEVICE == "cuda":
+        mantissa = torch.arange(1 << 23, dtype=torch.int32)
+        fields = torch.tensor([1, 2, 118, 127, 128, 135, 251, 252], dtype=torch.int32)
+        spread = 1 << 22
+    else:
+        mantissa = torch.randint(0, 1 << 23, (1 << 10,), generator=g, dtype=torch.int32)
+        fields = torch.tensor([1, 127, 252], dtype=torch.int32)
+        spread = 1 << 12
+    grid = ((fields[:, None] << 23) | mantissa[None, :]).flatten()
+    spread_bits = torch.randint(1 << 23, 253 << 23, (spread,), generator=g, dtype=torch.int32)
+    bits = torch.cat([grid, spread_bits])
+    d = torch.cat([bits, bits | torch.tensor(-(1 << 31), dtype=torch.int32)]).view(torch.float32)
+    d = d.to(DEVICE)
+    out = torch.empty_like(d)
+    _reciprocal_kernel[(triton.cdiv(d.numel(), 1024),)](d, out, d.numel(), BLOCK=1024)
+    want = (1.0 / d.double()).float()  # the exact reciprocal, rounded once
+    bad = (out.view(torch.int32) != want.view(torch.int32)).nonzero()
+    assert bad.numel() == 0, f"d={d[bad[0]].item()!r}: {out[bad[0]].item()!r}"
+
+
+@triton.jit
 def _round_kernel(X, Out, N, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr,
                   MAXV: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
