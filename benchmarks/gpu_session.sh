@@ -24,7 +24,8 @@
 #              call, traced and not (benchmarks/profile_gpu.py), into profile/
 #   reference  the reference's exact forward on CUDA beside SDPA (issue 9's 20x goal)
 #   launch     the NVFP4 forward kernel alone over tiles and compilation variants
-#              (benchmarks/bench_fwd_launch.py; LAUNCH_CONFIGS, LAUNCH_VARIANTS override)
+#              (benchmarks/bench_fwd_launch.py; LAUNCH_RECIPES, LAUNCH_CONFIGS, LAUNCH_VARIANTS
+#              override)
 #   quantize   the Triton quantizers against their bandwidth bound and torchao (its wheel
 #              carried in .whl/, installed into /tmp/site)
 # Everything lands under $OUT/r and is packed into $OUT/r.tgz at the end (at most 8 files come
@@ -104,7 +105,7 @@ for stage in "${STAGES[@]}"; do
                 pip install -q --no-deps --target /tmp/site .whl/torchao-*.whl > "$O/pip.log" 2>&1
               PYTHONPATH=$PWD:/tmp/site timeout $(left) python3 benchmarks/bench_quantize_gpu.py \
                 --out "$O" > "$O/quantize.log" 2>&1; log "quantize rc $?" ;;
-    launch) timeout $(left) python3 benchmarks/bench_fwd_launch.py --recipes nvfp4 \
+    launch) timeout $(left) python3 benchmarks/bench_fwd_launch.py --recipes ${LAUNCH_RECIPES:-nvfp4} \
               --configs ${LAUNCH_CONFIGS:-64x64:4:3 64x64:4:2 128x128:8:3 128x64:8:2 64x32:4:3} \
               --variants ${LAUNCH_VARIANTS:-base noacc reg168 reg128} --out "$O" \
               > "$O/launch.log" 2>&1; log "launch rc $?" ;;
