@@ -16,7 +16,13 @@ import math
 import torch
 
 from fp4lab.analysis.context import Pass
-from fp4lab.analysis.quantizers import Quantized, quantize_field, quantize_operand, stochastic
+from fp4lab.analysis.quantizers import (
+    Quantized,
+    draw_dtype,
+    quantize_field,
+    quantize_operand,
+    stochastic,
+)
 from fp4lab.formats import ScaleRule, round_to_format
 from fp4lab.recipes import AttentionRecipe, PQuant
 
@@ -42,7 +48,9 @@ def _row_scaled_p(p, recipe: AttentionRecipe, draws, counts: bool, at) -> Quanti
     top = recipe.p.element.max * recipe.p.scale.max
     rowmax = p.amax(dim=-1, keepdim=True)
     r = torch.where(rowmax > 0, top / rowmax, torch.ones_like(rowmax))
-    noise = draws.for_operand("p", p, at) if stochastic(recipe.p) else None
+    noise = None
+    if stochastic(recipe.p):
+        noise = draws.for_operand("p", p, at, draw_dtype(p, recipe.p))
     out = quantize_operand(p * r, recipe.p, axis=-1, per_tile=True, counts=counts, noise=noise)
     return Quantized(out.values / r, out.counts)
 

@@ -25,7 +25,7 @@ from fp4lab.formats import FloatFormat, QuantSpec, quantize_blocks, round_to_for
 from fp4lab.recipes import Seq, TensorScope, operand
 from fp4lab.recipes.tile_stats import block_counts
 
-__all__ = ["Quantized", "quantize_operand", "quantize_field", "stochastic"]
+__all__ = ["Quantized", "quantize_operand", "quantize_field", "stochastic", "draw_dtype"]
 
 
 @dataclass
@@ -47,6 +47,15 @@ class Quantized:
 def stochastic(spec) -> bool:
     """Whether an operand's format rounds stochastically (then it needs draws)."""
     return isinstance(spec, QuantSpec) and spec.stochastic
+
+
+def draw_dtype(x: torch.Tensor, spec: QuantSpec) -> torch.dtype:
+    """The dtype of the uniforms that round x stochastically: float32 (each uniform rounded
+    toward zero, the same decisions: `fp4lab.formats.streams`, "Float32 uniforms") where x's
+    values have at most 24 significant bits and at most 24 random bits count (`sr_bits`),
+    float64 otherwise."""
+    few_bits = spec.sr_bits is None or spec.sr_bits <= 24
+    return torch.float32 if x.dtype != torch.float64 and few_bits else torch.float64
 
 
 def quantize_operand(
@@ -95,7 +104,7 @@ def quantize_field(x, field: str, ps: Pass, at: tuple[int, int] | None = None) -
     query-side tensor's G heads of a group share it)."""
     recipe = ps.recipe
     spec, op, axis = getattr(recipe, field), operand(field), recipe.block_axis(field)
-    noise = ps.draws.for_operand(field, x, at) if stochastic(spec) else None
+    noise = ps.draws.for_operand(field, x, at, draw_dtype(x, spec)) if stochastic(spec) else None
     lift = getattr(recipe, op.lift) if op.lift else 1.0
     counts = ps.counts
     if op.per_tile or recipe.tensor_scope is TensorScope.TENSOR:

@@ -46,33 +46,38 @@ class Draws:
         self.key = pass_key(generator)
         self.block_m, self.block_n = block_m, block_n
 
-    def for_operand(self, field: str, x: torch.Tensor, at: tuple[int, int] | None) -> torch.Tensor:
+    def for_operand(
+        self, field: str, x: torch.Tensor, at: tuple[int, int] | None, dtype=torch.float64
+    ) -> torch.Tensor:
         """Uniforms of x's shape for operand `field`: x a block of tiles
         (B, Hkv, G, n, g, r, c) whose first tile is (query tile, key tile) `at`, or, when
-        `at` is None, a whole tensor (B, heads, seq, E)."""
+        `at` is None, a whole tensor (B, heads, seq, E); float64, or float32 rounded toward
+        zero (`fp4lab.formats.streams`, "Float32 uniforms")."""
         stream = operand(field).stream
         if at is not None:
-            return self.for_tiles(stream, x, at)
-        return tensor_uniforms(stream_keys(self.key, stream), x.shape, x.device)
+            return self.for_tiles(stream, x, at, dtype)
+        return tensor_uniforms(stream_keys(self.key, stream), x.shape, x.device, dtype)
 
-    def for_tiles(self, stream: int, x: torch.Tensor, at: tuple[int, int]) -> torch.Tensor:
+    def for_tiles(
+        self, stream: int, x: torch.Tensor, at: tuple[int, int], dtype=torch.float64
+    ) -> torch.Tensor:
         """Uniforms of x's shape for a block of tiles x (B, Hkv, G, n, g, r, c) whose first
         tile is (query tile, key tile) `at`, from stream `stream`."""
         b, hk, g, n, m, r, c = x.shape
         if isinstance(self.key, tuple):  # stacked samples: each chunk of the batch alone
             chunks = x.chunk(len(self.key))
-            return torch.cat([self._tiles(k, stream, part, at)
+            return torch.cat([self._tiles(k, stream, part, at, dtype)
                               for k, part in zip(self.key, chunks, strict=True)])  # fmt: skip
-        return self._tiles(self.key, stream, x, at)
+        return self._tiles(self.key, stream, x, at, dtype)
 
-    def _tiles(self, key: int, stream: int, x: torch.Tensor, at: tuple[int, int]):
+    def _tiles(self, key: int, stream: int, x: torch.Tensor, at: tuple[int, int], dtype):
         b, hk, g, n, m, r, c = x.shape
         i0, j0 = at
         head = _index(hk, 1, 7) * g + _index(g, 2, 7)  # the query head
         rows = (i0 + _index(n, 3, 7)) * self.block_m + _index(r, 5, 7)
         cols = (j0 + _index(m, 4, 7)) * self.block_n + _index(c, 6, 7)
         position = tuple(p.to(x.device) for p in (_index(b, 0, 7), head, rows, cols))
-        return uniforms(stream_key(key, stream), *position)
+        return uniforms(stream_key(key, stream), *position, dtype=dtype)
 
 
 def _index(n: int, dim: int, ndim: int) -> torch.Tensor:
@@ -86,5 +91,5 @@ class ZeroDraws:
     """Uniforms that are all 0, where the draws do not matter: the trace's counts depend on
     block scales and scaled elements before rounding only, never on the draws."""
 
-    def for_operand(self, field: str, x: torch.Tensor, at) -> torch.Tensor:
-        return torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    def for_operand(self, field: str, x: torch.Tensor, at, dtype=torch.float64) -> torch.Tensor:
+        return torch.zeros(x.shape, dtype=dtype, device=x.device)

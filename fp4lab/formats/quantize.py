@@ -252,13 +252,15 @@ def _element_rounding(spec: QuantSpec, rounding) -> Rounding:
 
 
 def _noise_blocks(noise, x: torch.Tensor, layout) -> torch.Tensor | None:
-    """The caller's uniforms in block layout (float64), checked against x's shape."""
+    """The caller's uniforms in block layout (float32 kept, others in float64: see
+    `round_to_format`), checked against x's shape."""
     if noise is None:
         return None
     if not isinstance(noise, torch.Tensor) or noise.shape != x.shape:
         shape = tuple(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
         raise ValueError(f"noise must be a tensor of x's shape {tuple(x.shape)}, got {shape}")
-    return layout.to_blocks(noise.to(device=x.device, dtype=torch.float64))
+    dtype = torch.float32 if noise.dtype == torch.float32 else torch.float64
+    return layout.to_blocks(noise.to(device=x.device, dtype=dtype))
 
 
 def _eden(layout, blocks, amax, spec: QuantSpec, uniforms, batch_dims: int) -> BlockQuantized:

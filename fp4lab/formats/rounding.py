@@ -142,7 +142,8 @@ def _round_float32(
     rounding (RNE and truncation are symmetric in the sign) and multiplying back are exact
     in float32; saturation is a clamp, which keeps NaN. Stochastic rounding splits |x| / 2^q
     into its integer part and fraction (both exact in float32) and compares the fraction
-    with the float64 uniforms u in float64, as the float64 path does."""
+    with the uniforms u: float64 ones in float64, as the float64 path does, float32 ones in
+    float32 (the same decisions: both compare exact numbers)."""
     quantum = (x.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^e of |x|
     quantum.clamp_(2.0**fmt.emin, 2.0 ** (fmt.emax + 1)).mul_(2.0**-fmt.mbits)
     out = torch.div(x, quantum)  # in-place from here: fresh large tensors cost page faults
@@ -163,9 +164,15 @@ def _round_float32(
 def _stochastic_magnitude(y: torch.Tensor, u: torch.Tensor, sr_bits: int | None) -> torch.Tensor:
     """y >= 0 (float32, overwritten) rounded up with probability frac(y), by the uniforms u:
     the same comparisons as `_round_integer`'s, the fraction exact in float32 and compared in
-    float64."""
+    u's dtype. Float32 uniforms take no comparison (a bool tensor and its conversion cost
+    four in-place float32 passes' time): the float32 difference frac - u has the sign of the
+    exact one (zero only where they are equal), so ceil(frac - u) clamped to [0, 1] is 1
+    exactly where u < frac and 0 (or -0) elsewhere, whatever u holds; NaN (y inf or NaN, or
+    u NaN) becomes 0, as the comparison's False."""
     low = torch.floor(y)
     frac = y.sub_(low)
+    if sr_bits is None and u.dtype == torch.float32:
+        return low.add_(frac.sub_(u).ceil_().clamp_(0, 1).nan_to_num_(nan=0.0))
     if sr_bits is None:
         up = u < frac
     else:
@@ -203,12 +210,16 @@ def _round_integer(y, rounding, generator, sr_bits, noise) -> torch.Tensor:
 
 
 def _uniforms(y, generator, noise) -> torch.Tensor:
+    """Uniforms of y's shape: the caller's `noise` (float32 kept as it is: every comparison
+    with it is exact in float32 as in float64; other dtypes in float64), or float64 draws
+    from `generator`."""
     if noise is not None:
         if noise.shape != y.shape:
             raise ValueError(
                 f"noise must have x's shape {tuple(y.shape)}, got {tuple(noise.shape)}"
             )
-        return noise.to(device=y.device, dtype=torch.float64)
+        dtype = torch.float32 if noise.dtype == torch.float32 else torch.float64
+        return noise.to(device=y.device, dtype=dtype)
     gen = as_generator(generator)
     if gen is None:
         raise ValueError(

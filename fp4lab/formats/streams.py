@@ -15,6 +15,15 @@ for whole tensors, `fp4lab.kernels.random.tile_words` in registers for P and dS)
 same seed rounds the same way on the CPU and the GPU, whatever the batch size, head count,
 tiling or chunking. Rounding up where u < frac is exactly unbiased for a fraction of at most
 32 bits below the quantum, and biased by less than 2^-32 of a quantum otherwise.
+
+Float32 uniforms. `uniforms(..., dtype=torch.float32)` gives u rounded toward zero to float32,
+u' (its 24 leading bits). It takes the same decisions as u wherever it is compared with a
+number f of at most 24 significant bits, such as the fraction of a float32 value: u < f
+exactly where u' < f (u' <= u; and where u' < f, f lies on float32's grid above u', so it is
+at least the next float32 after u', which exceeds u). Where only its bits down to 2^-r count,
+r <= 24 (floor(2^r u): `sr_bits` of at most 24), u' has them all (it drops bits below 2^-24
+only). So stochastic rounding of float32 values compares in float32, at half the bytes of a
+float64 comparison and without converting its fractions to float64.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ __all__ = ["as_generators", "pass_key", "stream_key", "stream_keys", "uniforms",
 
 _MASK64 = (1 << 64) - 1
 _TWO_TO_MINUS_32 = 2.0**-32
+_BELOW_24_BITS = ~((1 << 29) - 1)  # clears float64's 29 low mantissa bits, which float32 lacks
+_FLOAT64_TWO_TO_52_BITS = 0x4330000000000000  # the bits of the float64 2^52
 
 
 def as_generators(generator):
@@ -69,21 +80,26 @@ def stream_keys(key: int | tuple, stream: int) -> int | tuple:
     return stream_key(key, stream)
 
 
-def uniforms(key: int, batch, head, row, column) -> torch.Tensor:
+def uniforms(key: int, batch, head, row, column, dtype=torch.float64) -> torch.Tensor:
     """float64 uniforms of the broadcast shape of the int64 position tensors, for the stream
     keyed by `key`. Where `column`'s last dim runs over whole aligned groups of four
     (starts at a multiple of 4 and has a multiple of 4 entries), one counter serves four
-    columns; elsewhere each element takes word (column % 4) of its own counter."""
-    return _keyed(*split_key(key), batch, head, row, column)
+    columns; elsewhere each element takes word (column % 4) of its own counter. With
+    `dtype` float32, each uniform rounded toward zero to float32 (the module docstring)."""
+    return _keyed(*split_key(key), batch, head, row, column, dtype)
 
 
-def _keyed(k0, k1, batch, head, row, column) -> torch.Tensor:
+def _keyed(k0, k1, batch, head, row, column, dtype=torch.float64) -> torch.Tensor:
     """`uniforms` under the key words (k0, k1): ints, or int64 tensors broadcast with the
     positions (a key per element)."""
+    if dtype not in (torch.float64, torch.float32):
+        raise ValueError(f"dtype must be torch.float64 or torch.float32, got {dtype}")
     first = column[..., :1]
     aligned = column.shape[-1] % 4 == 0 and bool((first % 4 == 0).all())
     if aligned:  # counters (..., columns / 4), their four words side by side
         words = philox4x32(column[..., ::4] >> 2, row, head, batch, k0, k1)
+        if dtype == torch.float32:
+            return _float32_side_by_side(words)
         stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1).flatten(-2)
     else:
         words = torch.broadcast_tensors(*philox4x32(column >> 2, row, head, batch, k0, k1))
@@ -92,21 +108,41 @@ def _keyed(k0, k1, batch, head, row, column) -> torch.Tensor:
             .gather(-1, (column % 4).unsqueeze(-1).expand(*words[0].shape, 1))
             .squeeze(-1)
         )
-    return stacked.to(torch.float64).mul_(_TWO_TO_MINUS_32)
+    u = stacked.to(torch.float64)
+    if dtype == torch.float32:  # words below 2^53: the float64 conversion is exact
+        u.view(torch.int64).bitwise_and_(_BELOW_24_BITS)  # toward zero, to 24 leading bits
+        return u.to(torch.float32).mul_(_TWO_TO_MINUS_32)  # both exact
+    return u.mul_(_TWO_TO_MINUS_32)
 
 
-def tensor_uniforms(key: int | tuple, shape, device) -> torch.Tensor:
+def _float32_side_by_side(words) -> torch.Tensor:
+    """Each counter's four words (philox4x32's own contiguous buffers (..., n), overwritten)
+    as float32 uniforms rounded toward zero, side by side (..., 4 n). A word w becomes a
+    float64 in place, exactly: w | 0x4330000000000000 is the float64 2^52 + w (w its mantissa
+    field), less 2^52; two in-place integer and float passes where torch's int64-to-float64
+    conversion is slower on the CPU than the rest together. Then its 29 low mantissa bits
+    are cleared (toward zero to 24 leading bits) and it is written (exactly) into its
+    columns of a float32 tensor, which is scaled by 2^-32 (exact)."""
+    out = torch.empty(*words[0].shape, 4, dtype=torch.float32, device=words[0].device)
+    for i, w in enumerate(words):
+        d = w.bitwise_or_(_FLOAT64_TWO_TO_52_BITS).view(torch.float64).sub_(2.0**52)
+        d.view(torch.int64).bitwise_and_(_BELOW_24_BITS)
+        out[..., i].copy_(d)
+    return out.flatten(-2).mul_(_TWO_TO_MINUS_32)
+
+
+def tensor_uniforms(key: int | tuple, shape, device, dtype=torch.float64) -> torch.Tensor:
     """The uniforms of a whole operand (B, heads, seq, E) for the stream keyed by `key`,
-    float64 on `device`: element (b, h, s, e) at counter (e // 4, s, h, b). A tuple of n keys
-    draws each of n equal consecutive chunks of the batch with its own key, the chunk's
-    batch counted from 0 (stacked samples)."""
+    float64 on `device` (or float32 as `uniforms` makes them): element (b, h, s, e) at counter
+    (e // 4, s, h, b). A tuple of n keys draws each of n equal consecutive chunks of the
+    batch with its own key, the chunk's batch counted from 0 (stacked samples)."""
     b, h, s, e = shape
     width = -(-e // 4) * 4  # whole groups of four columns, cropped after
     position = [torch.arange(n, device=device) for n in (b, h, s, width)]
     position = [p.view([-1 if d == i else 1 for d in range(4)]) for i, p in enumerate(position)]
     if not isinstance(key, tuple):
-        return uniforms(key, *position)[..., :e]
+        return uniforms(key, *position, dtype=dtype)[..., :e]
     chunk = b // len(key)  # each chunk of the batch under its key, its batch counted from 0
     words = torch.tensor([split_key(k) for k in key], dtype=torch.int64, device=device)
     k0, k1 = (words[:, i].repeat_interleave(chunk).view(b, 1, 1, 1) for i in (0, 1))
-    return _keyed(k0, k1, position[0] % chunk, *position[1:])[..., :e]
+    return _keyed(k0, k1, position[0] % chunk, *position[1:], dtype)[..., :e]

@@ -204,3 +204,39 @@ def test_a_whole_operand_draws_what_its_tiles_draw():
     later = draws.for_operand("p", tiles[:, :, :, 1:, 1:], (1, 1))
     assert torch.equal(later, got[:, :, :, 1:, 1:])
     assert not torch.equal(draws.for_operand("dq_ds", p, None), whole)
+
+
+def toward_zero_float32(u: torch.Tensor) -> torch.Tensor:
+    """float64 u rounded toward zero to float32, by nextafter (independent of the shipped bit
+    masks)."""
+    f = u.float()
+    return torch.where(f.double() > u, torch.nextafter(f, torch.zeros_like(f)), f)
+
+
+def test_float32_uniforms_are_the_float64_ones_rounded_toward_zero_and_decide_alike():
+    """`dtype=torch.float32` gives each uniform u rounded toward zero to float32, u', aligned
+    or not, whole tensors and stacked samples' keys too; and u' < f exactly where u < f for
+    every float32 f near u (its float32 neighbours, u' itself, the next float32 up) and for
+    random ones, and floor(2^r u') = floor(2^r u) for r <= 24."""
+    from fp4lab.formats import streams
+
+    position = (torch.tensor(1), torch.tensor(2), torch.arange(64).view(64, 1))
+    for columns in (torch.arange(256).view(1, 256), torch.tensor([[3, 9, 10, 250]])):
+        u64 = streams.uniforms(7, *position, columns)
+        u32 = streams.uniforms(7, *position, columns, dtype=torch.float32)
+        assert u32.dtype == torch.float32
+        assert torch.equal(u32, toward_zero_float32(u64))
+    for key in (11, (11, 12)):
+        shape = (2, 3, 40, 36)
+        u64 = streams.tensor_uniforms(key, shape, "cpu")
+        u32 = streams.tensor_uniforms(key, shape, "cpu", dtype=torch.float32)
+        assert torch.equal(u32, toward_zero_float32(u64))
+    u64 = u64.flatten()
+    u32 = toward_zero_float32(u64)
+    up = torch.nextafter(u32, torch.ones_like(u32))
+    down = torch.nextafter(u32, torch.zeros_like(u32))
+    random = torch.rand(u32.shape, generator=torch.Generator().manual_seed(0))
+    for f in (u32, up, down, random, u64.float()):
+        assert torch.equal(u32 < f, u64 < f.double())
+    for r in (1, 8, 24):
+        assert torch.equal(torch.floor(u32 * 2.0**r).double(), torch.floor(u64 * 2.0**r))

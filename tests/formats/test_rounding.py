@@ -314,6 +314,27 @@ def test_float32_fast_path_rounds_stochastically_as_the_float64_path(fmt, sr_bit
     assert_same_bits(a, b, x, f"{fmt.name} stochastic generator")
 
 
+@pytest.mark.parametrize("fmt", [F.FP4_E2M1, F.FP8_E4M3FN, F.FP6_E3M2, F.UE5M3], ids=str)
+@pytest.mark.parametrize("sr_bits", [None, 3, 24])
+def test_float32_noise_rounds_as_the_same_uniforms_in_float64(fmt, sr_bits):
+    """Float32 noise is compared in float32 (the fast path's ceil(frac - u)), exact: the same
+    bits as the same uniforms in float64, on both paths, with uniforms at 0, just below 1, at
+    1 and beyond, negative, inf and NaN, and inputs that are inf or NaN."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(40_000, generator=gen) * torch.exp2(
+        torch.randint(-30, 20, (40_000,), generator=gen).float()
+    )
+    x = torch.cat([x, SPECIALS, torch.tensor([1e-45, -1e-45, 3.4e38])])
+    u = torch.rand(x.shape, generator=gen)
+    edges = [0.0, 1 - 2**-24, 1.0, 1.5, -0.25, math.inf, -math.inf, math.nan]
+    u[:8] = torch.tensor(edges)
+    u[-9:-1] = torch.tensor(edges)
+    for xs in (x, x.double()):
+        as32 = round_to_format(xs, fmt, rounding="stochastic", noise=u, sr_bits=sr_bits)
+        as64 = round_to_format(xs, fmt, rounding="stochastic", noise=u.double(), sr_bits=sr_bits)
+        assert_same_bits(as32, as64, x, f"{fmt.name} float32 noise on {xs.dtype}")
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "transposed-noise"])
 @pytest.mark.parametrize("sr_bits", [None, 5])
 def test_large_stochastic_rounding_rounds_as_the_float64_path(layout, sr_bits):
