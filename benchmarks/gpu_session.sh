@@ -6,8 +6,9 @@
 #
 # stages, in the order given:
 #   tests      tests/kernels/test_flash.py and test_trace.py compiled (pytest -v -n 6, so a
-#              killed run still names what it finished), then the failures alone with
-#              --tb=long
+#              killed run still names what it finished; --tb=line, so a failure's message,
+#              a random test's seed included, survives), then the failures alone with
+#              --tb=long (a test that draws fresh inputs draws new ones there)
 #   eden       tests/kernels/test_flash_eden.py the same way (its rotated backward compiles
 #              for minutes)
 #   bwdtests   tests/kernels/test_flash_bwd.py and test_flash_sr.py the same way
@@ -55,7 +56,7 @@ warm() {  # eight shards of the same arguments compile side by side
 }
 pytests() {  # $1: log name, then the test files
   local name=$1; shift
-  timeout $(( $(left) * 2 / 3 )) python3 -m pytest -v -n 6 --tb=no -p no:cacheprovider "$@" \
+  timeout $(( $(left) * 2 / 3 )) python3 -m pytest -v -n 6 --tb=line -p no:cacheprovider "$@" \
     > "$O/$name.log" 2>&1
   log "$name rc $?"
   grep -E "FAILED|ERROR" "$O/$name.log" | grep -oE "tests/[^ ]+" | sort -u | head -12 \
