@@ -125,7 +125,8 @@ def record_forward(
     }  # fmt: skip
     rec = trace.begin(recipe.name, (B, Hk, G, nQ, nK), meta)
     heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
-    st = {name: heads(bufs.stats[..., i]) for i, name in enumerate(FORWARD_STATS)}
+    stats = _host(bufs.stats)  # (B, H, nQ, nK, N) float32: one copy, the columns on the host
+    st = {name: heads(stats[..., i]) for i, name in enumerate(FORWARD_STATS)}
     like = st["nonzero"]  # (B, Hkv, G, nQ, nK)
     q_tiles = lambda x: _tiles(heads_of(x, B, Hk, G), bm)  # noqa: E731
     k_tiles = lambda x: _tiles(x, bn)  # noqa: E731
@@ -134,9 +135,9 @@ def record_forward(
     qs = whole_stats(q_src, q_hat, q_tiles)
     ks = whole_stats(k.float(), k_hat, k_tiles)
     vs = whole_stats(v.float(), _quantized(v, recipe, "v", 1, bn), k_tiles)
-    q_cols = {n: c[..., None].expand_as(like) for n, c in qs.items()}  # (B, Hkv, G, nQ, 1)
-    k_cols = {n: c[:, :, None, None].expand_as(like) for n, c in ks.items()}
-    v_cols = {n: c[:, :, None, None].expand_as(like) for n, c in vs.items()}
+    q_cols = {n: _host(c)[..., None].expand_as(like) for n, c in qs.items()}  # (B, Hkv, G, nQ, 1)
+    k_cols = {n: _host(c)[:, :, None, None].expand_as(like) for n, c in ks.items()}
+    v_cols = {n: _host(c)[:, :, None, None].expand_as(like) for n, c in vs.items()}
     visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
     if smoothed is None:
         qk_err = _product_errors((q, q_hat.values), (k, k_hat.values), cfg["scale"], cfg, G)
@@ -148,18 +149,19 @@ def record_forward(
             (side(q_src, mean), side(q_hat.values, mean)), (side(kf, kf), side(k_hat.values, kf)),
             cfg["scale"], cfg, G,
         )  # fmt: skip
-    qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_err": qk_err,
+    qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_err": _host(qk_err),
           "prod_nan": st["qk_nan"]}  # fmt: skip
     rec.add(Product.QK, 0, 0, qk, visible)
     pv = {
         **prefix(_operand_columns(st, cfg["mode"]), "a"),
         **prefix(v_cols, "b"),
-        "p_mass_lost": heads(_mass_lost(bufs.lost, lse2, bm)),
+        "p_mass_lost": heads(_host(_mass_lost(bufs.lost, lse2, bm))),
         "prod_nan": st["pv_nan"],
     }
     rec.add(Product.PV, 0, 0, pv, visible)
-    sums = bufs.out.double()  # (B, H, nQ, 2)
-    out = {"row_sum_err": sums[..., 0] / sums[..., 1], **_out_errors(o, lse2, *exact, bm)}
+    sums = _host(bufs.out).double()  # (B, H, nQ, 2)
+    errors = {name: _host(value) for name, value in _out_errors(o, lse2, *exact, bm).items()}
+    out = {"row_sum_err": sums[..., 0] / sums[..., 1], **errors}
     rec.add_out(0, {name: heads(value) for name, value in out.items()})
     return rec
 
@@ -185,23 +187,25 @@ def record_backward(
     bm, bn, Sq = cfg["block_m"], cfg["block_n"], lse2.shape[-1]
     heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
     visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
-    rows = _tiles(torch.isfinite(lse2)[..., None].double(), bm).sum((-2, -1))
+    rows = _host(_tiles(torch.isfinite(lse2)[..., None].double(), bm).sum((-2, -1)))
     whole = _backward_operands(recipe, inputs, G, bm, bn, smoothed)
-    like = heads(bufs["dv"][..., 0])
+    kernel = {key: _host(bufs[key]) for key in ("dv", "dq", "dk")}  # one copy each
+    like = heads(kernel["dv"][..., 0])
     side = lambda name: {  # noqa: E731  an operand's tile columns, broadcast to (..., nQ, nK)
-        n: (c[..., None] if name in ("do_dv", "do_dp", "q_dk") else c[:, :, None, None])
-        .expand_as(like) for n, c in whole[name].items()
+        n: (_host(c)[..., None] if name in ("do_dv", "do_dp", "q_dk")
+            else _host(c)[:, :, None, None]).expand_as(like)
+        for n, c in whole[name].items()
     }  # fmt: skip
     for product, key, b_name in (
         (Product.DV, "dv", "do_dv"), (Product.DQ, "dq", "k_dq"), (Product.DK, "dk", "q_dk"),
     ):  # fmt: skip
-        st = {name: heads(bufs[key][..., i]) for i, name in enumerate(BACKWARD_STATS)}
+        st = {name: heads(kernel[key][..., i]) for i, name in enumerate(BACKWARD_STATS)}
         cols = {**prefix(_operand_columns(st, modes[key]), "a"), **prefix(side(b_name), "b")}
         if product is Product.DV:  # P is normalized: the flushed mass is in final units
             cols["p_mass_lost"] = st["lost"] / heads(rows)[..., None]
         rec.add(product, 0, 0, cols, visible)
     (do, do_hat), (v, v_hat) = whole["do_dp"].pop("operands"), whole["v_dp"].pop("operands")
-    dp_err = _product_errors((do, do_hat), (v, v_hat), 1.0, cfg, G)
+    dp_err = _host(_product_errors((do, do_hat), (v, v_hat), 1.0, cfg, G))
     rec.add(Product.DP, 0, 0, {**prefix(side("do_dp"), "a"), **prefix(side("v_dp"), "b"),
                                "prod_err": dp_err}, visible)  # fmt: skip
 
@@ -359,10 +363,20 @@ def heads_of(x: torch.Tensor, B: int, Hk: int, G: int) -> torch.Tensor:
 
 
 def _tiles(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """(..., S, E) zero-padded to whole tiles of `rows` and cut: (..., n tiles, rows, E)."""
+    """(..., S, E) zero-padded to whole tiles of `rows` and cut: (..., n tiles, rows, E); a
+    view of a contiguous x whose S is whole tiles (no copy: the callers only read it)."""
     pad = -x.shape[-2] % rows
-    x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
     return x.reshape(*x.shape[:-2], -1, rows, x.shape[-1])
+
+
+def _host(x: torch.Tensor) -> torch.Tensor:
+    """A per-tile table (small: tiles, not elements) on the host, where `TraceCall` keeps its
+    columns: the kernels' sums move once, before the columns derived from them (elementwise
+    float64, the same bits on either device) and before their broadcast over the other
+    side's tiles, so that a call copies a few tables rather than each broadcast column."""
+    return x.detach().to("cpu")
 
 
 def _quantized(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, rows: int):
