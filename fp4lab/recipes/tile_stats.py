@@ -141,18 +141,20 @@ def block_counts(scaled, amax, scales, decode, spec: QuantSpec, layout, per_tile
     element, through `layout`)."""
     d = decode if decode is not None else torch.ones((), dtype=torch.float32)
     clipped = scaled.abs_().sub_(spec.element.max).clamp_(min=0).sign_()  # |x| > M_e s d: saturated
-    clipped.mul_((scales > 0).unsqueeze(-1))  # only where the block stores a nonzero scale
+    stores = (scales > 0).unsqueeze(-1)  # only blocks that store a nonzero scale count
     ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
     blocks = {
         "blocks": amax > 0,
         "scale_underflow": (amax > 0) & (ideal < spec.scale.min_subnormal * (1 - SLACK)),
         "scale_overflow": ideal > spec.scale.max * (1 + SLACK),
     }
-    if per_tile:
-        return {
-            "clipped": exact_count(clipped, (-3, -2, -1)),
-            **{k: v.sum((-2, -1)) for k, v in blocks.items()},
-        }
+    if per_tile:  # each block's count masked, not each element (integers: exact either way)
+        per_block = clipped.sum(-1, keepdim=True).mul_(stores)
+        exact = clipped.shape[-3:].numel() <= 1 << 24  # every partial sum exact in float32
+        tile = per_block.sum((-3, -2, -1)) if exact else per_block.sum((-3, -2, -1),
+                                                                        dtype=torch.float64)
+        return {"clipped": tile.double(), **{k: v.sum((-2, -1)) for k, v in blocks.items()}}
+    clipped.mul_(stores)
     marks = {}
     for name, flag in blocks.items():
         mark = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
