@@ -118,13 +118,16 @@ def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages, traced
 
 
 def check(recipe, causal, block_m, block_n) -> float:
-    """Kernel against the simulation path on a slice: relative L2 difference."""
+    """Kernel against the simulation path on a slice: relative L2 difference (a stochastic
+    recipe's forward with the same seed on both paths)."""
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (
         torch.randn(1, 2, 1024, 128, device="cuda", generator=g).bfloat16() for _ in range(3)
     )
-    got = backend.attention(q, k, v, recipe, causal=causal, block_m=block_m, block_n=block_n)
-    want = reference_attention(q, k, v, recipe, causal=causal, block_m=block_m, block_n=block_n)
+    options = dict(causal=causal, block_m=block_m, block_n=block_n,
+                   generator=0 if recipe.stochastic else None)  # fmt: skip
+    got = backend.attention(q, k, v, recipe, **options)
+    want = reference_attention(q, k, v, recipe, **options)
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
