@@ -56,8 +56,8 @@ def variant(name: str):
             compiled._init_handles()
             LAST.update(registers=compiled.n_regs, spills=compiled.n_spills)
 
-    def no_units(pq, per_tile, fp8):
-        return {} if not pq.constant_factor else accumulate(pq, per_tile, fp8)
+    def no_units(pq, per_tile, fp8, fixed):
+        return {} if not pq.constant_factor else accumulate(pq, per_tile, fp8, fixed)
 
     if name not in ("base", "noacc") and cap is None:
         raise SystemExit(f"a variant is base, noacc or regN (N registers), got {name!r}")

@@ -1107,11 +1107,8 @@ def _fwd_inner(
                 l_p = l_p * alpha + tl.sum(p, 1)
         if ACC_DOT:  # acc (in units of the constant tile factor) accumulates in the dot
             if ACC_UNITS:  # from the last tile's units into this one's: r' / r in (1/2, 2)
-                ratio = tl.div_rn(unit, factor)
-                if FIXED:
-                    acc = acc * ratio
-                else:
-                    acc = acc * (alpha * ratio)[:, None]
+                ratio = tl.div_rn(unit, factor)  # (a running reference: never FIXED)
+                acc = acc * (alpha * ratio)[:, None]
                 unit = factor
             elif not FIXED:
                 acc = acc * alpha[:, None]
@@ -1391,7 +1388,7 @@ def _attn_fwd(
 # fmt: on
 
 
-def _accumulate_in_dot(pq: PQuantizer, per_tile: bool, fp8: bool) -> dict:
+def _accumulate_in_dot(pq: PQuantizer, per_tile: bool, fp8: bool, fixed: bool = False) -> dict:
     """ACC_DOT and ACC_FACTOR: whether the tile's P^ V^ accumulates inside its `tl.dot` (as
     Triton's fused-attention tutorial does: acc = dot(P, V, alpha acc), no second fp32 tile
     in registers) with acc in units of the tile factor, applied once at the end, where that
@@ -1404,10 +1401,12 @@ def _accumulate_in_dot(pq: PQuantizer, per_tile: bool, fp8: bool) -> dict:
     trace, per-tile operand factors, the leakage fix's diagonal terms). The result differs
     from the per-tile product's only by rounding order (the factor is a power of two or
     1/M_e, applied once rather than per tile; with ACC_UNITS one rounding of acc a tile, as
-    the per-tile product's fma has, and the row sums the same bits). With ACC_UNITS, P^'s
-    elements below about 2^-120 (their block scales times 2^e past fp32's normal range) may
-    lose bits, an absolute error below 1e-36 of an output whose row sum is at least one
-    element's 1. Not where P^ and V^ meet on the FP8 tensor
+    the per-tile product's fma has, and the row sums the same bits). ACC_UNITS only with a
+    running (or lazy) maximum as the row reference (not `fixed`): P^'s elements below about
+    2^-120 (their block scales times 2^e past fp32's normal range) may lose bits, an
+    absolute error below 1e-36 where the row's sum is at least its maximum's exp(0) = 1,
+    but a fixed reference (an anchor, zero) can leave a whole row that small. Not where P^
+    and V^ meet on the FP8 tensor
     cores (`fp8`): their accumulator keeps fewer bits than fp32 (DeepSeek-V3's report puts it
     near 14), so the running output inside the dot loses what an fp32 sum keeps. On the
     H200 (2026-12-02) it moved fa4fp4_causal's output from 5.9e-4 of the simulation's to
@@ -1419,7 +1418,8 @@ def _accumulate_in_dot(pq: PQuantizer, per_tile: bool, fp8: bool) -> dict:
     if per_tile or fp8:
         return {}
     if not pq.constant_factor:
-        return dict(ACC_DOT=True, ACC_UNITS=True) if pq.MODE == 2 and pq.TENSOR else {}
+        units = pq.MODE == 2 and pq.TENSOR and not fixed
+        return dict(ACC_DOT=True, ACC_UNITS=True) if units else {}
     if pq.MODE == 3:  # Direct-P's values are u / M_e, its factor 1 / E_MAX
         factor = 1.0 / pq.ELEM[3]
     else:
@@ -1738,7 +1738,7 @@ def attention_forward(
         SMOOTH_Q=mean_scores is not None, TILE_SCOPE=tile_scope, P_SHIFT=pq.shift,
         LEAK_PARTS=_LEAK_PARTS[leakage_parts],
         **_accumulate_in_dot(pq, o_prime is not None or trace is not None or tile_scope
-                             or leakage_block > 0, pv_fp8),
+                             or leakage_block > 0, pv_fp8, reference != "running"),
         **_z_in_one_fma(pq, scale, trace is not None, mean_scores is not None, tile_scope),
         **instrument,
         num_warps=num_warps,

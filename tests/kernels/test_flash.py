@@ -900,11 +900,12 @@ def test_fused_scores_agree_with_the_simulation_for_either_sign_of_the_scale(sca
 
 @pytest.mark.parametrize("reference", ["RUNNING_MAX", "ZERO"])
 def test_per_tile_p_scales_accumulate_in_the_dot_across_far_apart_tiles(reference, monkeypatch):
-    # ACC_UNITS (NVFP4's per-tile tensor scale of P): acc in units of each tile factor's
-    # significand. Key tiles whose scores lie about 50 and 100 below the rows' maxima give P
-    # tile maxima near 2^-72 and 2^-144 (P itself subnormal or flushed), so the tile factors
-    # span far more than fp32 could hold as one acc unit; the output must still be the
-    # simulation's, and the per-tile product's (ACC_UNITS off) to the same budget
+    # ACC_UNITS (NVFP4's per-tile tensor scale of P, a running maximum): acc in units of
+    # each tile factor's significand. Key tiles whose scores lie about 50 and 100 below the
+    # rows' maxima give P tile maxima near 2^-72 and 2^-144 (P itself subnormal or flushed),
+    # so the tile factors span far more than fp32 could hold as one acc unit; the output must
+    # still be the simulation's, and the per-tile product's (ACC_UNITS off) to the same
+    # budget. With a fixed reference (zero) the per-tile product runs, checked the same way
     recipe = dataclasses.replace(
         resolve_recipe("nvfp4"), name=f"nvfp4_{reference.lower()}",
         row_reference=type(resolve_recipe("nvfp4").row_reference)[reference],
@@ -915,8 +916,8 @@ def test_per_tile_p_scales_accumulate_in_the_dot_across_far_apart_tiles(referenc
     got = fp4lab.attention(q, k, v, recipe, causal=False, backend="triton", block_m=64, block_n=64)
     want = reference_attention(q, k, v, recipe, causal=False, block_m=64, block_n=64)
     accumulate = flash._accumulate_in_dot
-    monkeypatch.setattr(flash, "_accumulate_in_dot", lambda pq, per_tile, fp8: (
-        {} if not pq.constant_factor else accumulate(pq, per_tile, fp8)))
+    monkeypatch.setattr(flash, "_accumulate_in_dot", lambda pq, per_tile, fp8, fixed: (
+        {} if not pq.constant_factor else accumulate(pq, per_tile, fp8, fixed)))
     per_tile = fp4lab.attention(q, k, v, recipe, causal=False, backend="triton", block_m=64,
                                 block_n=64)  # fmt: skip
     assert torch.isfinite(got).all()
@@ -938,3 +939,5 @@ def test_p_v_accumulates_inside_the_dot_only_off_the_fp8_tensor_cores():
         ACC_DOT=True, ACC_UNITS=True
     )
     assert flash._accumulate_in_dot(nvfp4_p, per_tile=True, fp8=False) == {}
+    # a fixed row reference may leave a whole row below 2^-120, where units would lose bits
+    assert flash._accumulate_in_dot(nvfp4_p, per_tile=False, fp8=False, fixed=True) == {}
