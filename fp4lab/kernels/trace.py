@@ -375,7 +375,8 @@ def _host(x: torch.Tensor) -> torch.Tensor:
     """A per-tile table (small: tiles, not elements) on the host, where `TraceCall` keeps its
     columns: the kernels' sums move once, before the columns derived from them (elementwise
     float64, the same bits on either device) and before their broadcast over the other
-    side's tiles, so that a call copies a few tables rather than each broadcast column."""
+    side's tiles, so that a call copies each small per-tile table once (a few dozen
+    copies of tiles' numbers) rather than each column broadcast over every tile pair."""
     return x.detach().to("cpu")
 
 
