@@ -827,6 +827,109 @@ def test_p_quantized_in_the_dot_layout_is_the_reference(p_format):
     assert ulps <= (0 if exact else 1), f"{p_format}: {ulps} ulps"
 
 
+@triton.jit
+def _dot_p_quad_kernel(
+    Q, K, Values, Factor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    TINY: tl.constexpr, MODE: tl.constexpr, EQ_LO: tl.constexpr, EQ_HI: tl.constexpr,
+    E_UNIT: tl.constexpr, E_MAX: tl.constexpr, SQ_LO: tl.constexpr, SQ_HI: tl.constexpr,
+    S_UNIT: tl.constexpr, S_MAX: tl.constexpr, E_LO: tl.constexpr, E_HI: tl.constexpr,
+    QBLOCK: tl.constexpr, RULE: tl.constexpr, ARITH: tl.constexpr, TENSOR: tl.constexpr,
+    EMAX_E: tl.constexpr, UNITS: tl.constexpr, QUAD: tl.constexpr,
+):  # fmt: skip
+    # P in the dot's layout as the attention kernel holds it (exp2 of a tl.dot's scores, the
+    # special blocks made from index arithmetic alone, which takes any layout, never from a
+    # load, which could move the tile into the load's): row 0's second block zeros, row 1's
+    # subnormals, row 2's NaN, row 3's 2^-100; row 5's first block 1 and E2M1's ties times
+    # E4M3's rounded 1/6 with their upper fp32 neighbours. TINY: the tile times 2^-120.
+    rows, cols, d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, D)
+    q = tl.load(Q + rows[:, None] * D + d[None, :])
+    k = tl.load(K + cols[None, :] * D + d[:, None])
+    qk = tl.dot(q, k)
+    p = tl.exp2(qk - tl.max(qk, 1)[:, None])
+    r, c = rows[:, None], cols[None, :]
+    second = (c >= 16) & (c < 32)
+    p = tl.where((r == 0) & second, 0.0, p)
+    p = tl.where((r == 1) & second, 7.346839692639297e-40, p)  # 2^-130
+    p = tl.where((r == 2) & second, float("nan"), p)
+    p = tl.where((r == 3) & second, 7.888609052210118e-31, p)  # 2^-100
+    j = c % 8
+    tie = tl.where(j == 1, 0.25, tl.where(j == 2, 0.75, tl.where(j == 3, 1.25, tl.where(
+        j == 4, 1.75, tl.where(j == 5, 2.5, tl.where(j == 6, 3.5, 5.0)))))) * 0.171875
+    tie = tl.where(c >= 8, tie * 1.00000011920929, tie)  # the upper fp32 neighbours
+    p = tl.where((r == 5) & (c < 16), tl.where((j == 0) | (c == 15), 1.0, tie), p)
+    if TINY:
+        p = p * 7.52316384526264e-37  # 2^-120
+    values, factor = flash._quantize_p(
+        p, 0, BLOCK_M, BLOCK_N, MODE, 1.0, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
+        S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, False, 0, UNITS, QUAD,
+    )  # fmt: skip
+    offs = rows[:, None] * BLOCK_N + cols[None, :]
+    tl.store(Values + offs, values)
+    tl.store(Factor + tl.arange(0, 1), tl.full([1], factor, tl.float32))
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not flash.HW_QUAD,
+                    reason="block scales once a quad: PTX shuffles in sm_90's dot layouts")
+@pytest.mark.parametrize("p_format", ["nvfp4", "nvfp4_1level"])
+@pytest.mark.parametrize("tiles", [(64, 64, 4), (128, 128, 8), (64, 128, 4), (128, 64, 8)],
+                         ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("tiny", [False, True], ids=["softmax", "tiny"])
+def test_block_scales_once_a_quad_are_every_lanes_bit_for_bit(p_format, tiles, tiny):
+    # `_quad_te` (QUAD: lane i of each quad computes every fourth block's scale, shuffles hand
+    # them round) against every lane computing each of its blocks, on P straight out of a
+    # tl.dot: values and tile factor bit for bit, UNITS on and off, with the special blocks
+    # of `_dot_p_quad_kernel`; "tiny" takes the tile's decode scale out of the reciprocal's
+    # range, where the plain path's uniform branch runs instead
+    bm, bn, warps = tiles
+    g = torch.Generator().manual_seed(zlib.crc32(f"{p_format}{tiles}{tiny}".encode()))
+    q, k = (torch.randn(s, 64, generator=g).to(DEVICE, torch.bfloat16) for s in (bm, bn))
+    pq = flash.PQuantizer.of(fp4lab.formats.get(p_format), 1.0)
+    assert flash._quad_scales(pq, False, bn) == {"QUAD": True}
+    runs = {}
+    for units in (False, True):
+        for quad in (False, True):
+            values = torch.empty(bm, bn, device=DEVICE)
+            factor = torch.empty(1, device=DEVICE)
+            _dot_p_quad_kernel[(1,)](
+                q, k, values, factor, BLOCK_M=bm, BLOCK_N=bn, D=64, TINY=tiny, MODE=pq.MODE,
+                EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2], E_MAX=pq.ELEM[3],
+                SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2], S_MAX=pq.SCALE[3],
+                E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK, RULE=pq.RULE,
+                ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
+                UNITS=units and pq.TENSOR, QUAD=quad, num_warps=warps,
+            )  # fmt: skip
+            runs[units, quad] = (values.cpu(), factor.cpu())
+        (plain, plain_f), (quad, quad_f) = runs[units, False], runs[units, True]
+        bad = (plain.view(torch.int32) != quad.view(torch.int32)).nonzero()
+        assert bad.numel() == 0, f"units={units}: {len(bad)} values differ, first at {bad[0]}"
+        assert torch.equal(plain_f.view(torch.int32), quad_f.view(torch.int32))
+    values = runs[False, True][0]
+    assert torch.isnan(values[2, 16:32]).all()  # the NaN block stays NaN
+    assert (values[0, 16:32] == 0).all() and (values[values == values] != 0).any()
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not flash.HW_QUAD,
+                    reason="block scales once a quad: PTX shuffles in sm_90's dot layouts")
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4_1level", "croissattn"])
+@pytest.mark.parametrize("launch", [(64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 2)],
+                         ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_forward_with_block_scales_once_a_quad_is_the_same_bits(recipe, launch, causal,
+                                                                     monkeypatch):
+    # the whole forward kernel compiled with QUAD and without, at the launches the backend
+    # and the benchmarks use, GQA and a length no tile divides: output and log-sum-exp the
+    # same bits (croissattn: its stochastic P from the same seed)
+    bm, bn, warps, stages = launch
+    q, k, v = inputs(2, 4, 2, 1000, 1000, 128, seed=zlib.crc32(f"{recipe}{launch}".encode()))
+    monkeypatch.setitem(triton_backend.LAUNCH, "forward", (warps, stages))
+    outs = []
+    for quad in (True, False):
+        monkeypatch.setattr(flash, "QUAD_SCALES", quad)
+        outs.append(fp4lab.attention(q, k, v, recipe, causal=causal, backend="triton",
+                                     block_m=bm, block_n=bn, generator=5))  # fmt: skip
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
 @pytest.mark.parametrize(
     "spec", ["mxfp4", "nvfp4_1level", "mxfp8_e4m3", "mxfp4_rceil", "nvfp4_ue5m3", "nvfp4"]
 )
