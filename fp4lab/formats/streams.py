@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from fp4lab.formats.fused_philox import fused_uniforms
 from fp4lab.formats.philox import philox4x32, split_key
 from fp4lab.formats.rounding import as_generator
 
@@ -97,9 +98,13 @@ def _keyed(k0, k1, batch, head, row, column, dtype=torch.float64) -> torch.Tenso
     first = column[..., :1]
     aligned = column.shape[-1] % 4 == 0 and bool((first % 4 == 0).all())
     if aligned:  # counters (..., columns / 4), their four words side by side
-        words = philox4x32(column[..., ::4] >> 2, row, head, batch, k0, k1)
+        counters = (column[..., ::4] >> 2, row, head, batch)
         if dtype == torch.float32:
-            return _float32_side_by_side(words)
+            fused = fused_uniforms(*counters, k0, k1)  # None where it does not apply
+            return fused if fused is not None else _float32_side_by_side(
+                philox4x32(*counters, k0, k1)
+            )
+        words = philox4x32(*counters, k0, k1)
         stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1).flatten(-2)
     else:
         words = torch.broadcast_tensors(*philox4x32(column >> 2, row, head, batch, k0, k1))
