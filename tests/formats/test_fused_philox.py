@@ -120,6 +120,22 @@ def test_a_failed_build_falls_back_to_the_eager_path_for_the_process(monkeypatch
     assert fused_philox.fused_uniforms(*args) is None  # stays off
 
 
+def test_no_compiler_turns_it_off_before_compiling(monkeypatch):
+    cpp_builder = pytest.importorskip("torch._inductor.cpp_builder")
+
+    def missing():
+        raise RuntimeError("No working C++ compiler found")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    monkeypatch.setitem(fused_philox._state, "kernel", None)
+    monkeypatch.setitem(fused_philox._state, "failed", False)
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("compiled anyway"))
+    c0, c1 = torch.arange(256).view(1, 1, 256), torch.arange(256).view(1, 256, 1)
+    c2, c3 = torch.arange(2).view(2, 1, 1), torch.zeros(1, 1, 1, dtype=torch.int64)
+    assert fused_philox.fused_uniforms(c0, c1, c2, c3, 1, 2) is None
+    assert not fused_philox.enabled() and fused_philox._state["kernel"] is None
+
+
 def test_bad_words_are_rejected_as_on_the_eager_path():
     c0 = torch.arange(256).view(1, 1, 256)
     c1, c2 = torch.arange(256).view(1, 256, 1), torch.arange(2).view(2, 1, 1)
