@@ -10,15 +10,13 @@ registers and spills:
 - ``base``: the kernel as the backend compiles it;
 - ``noacc``: without ACC_DOT for P with a per-tile tensor scale (`flash._accumulate_in_dot`
   as it was before ACC_UNITS: each tile's P^ V^ from zero, then acc alpha + pv factor);
-- ``noquad``: without QUAD (`flash._quad_scales`: P's block scales computed in every lane
-  of a quad that holds the block, as before session 24);
 - ``regN``: ``base`` with Triton's register cap (``maxnreg``) at N a thread: fewer registers
   let more programs share an SM (65536 registers; 128 threads at 255 registers fit two),
   the overlap of one program's softmax with another's tensor-core work that a Triton kernel
   on Hopper has (its wgmma waits before the scores' first use).
 
     python benchmarks/bench_fwd_launch.py [--recipes nvfp4 ...] [--configs 64x64:4:3 ...]
-        [--variants base noacc noquad reg168 ...] [--causal both|true|false] [--out DIR]
+        [--variants base noacc reg168 ...] [--causal both|true|false] [--out DIR]
 
 Rows go to DIR/bench_fwd_launch.json as they come (a killed run keeps its rows).
 """
@@ -48,7 +46,7 @@ LAST = {}  # the last launched forward kernel's registers and spills
 @contextlib.contextmanager
 def variant(name: str):
     """The compilation variant `name` (module docstring) for the calls inside."""
-    launch, accumulate, quad = flash.launch_fitting, flash._accumulate_in_dot, flash.QUAD_SCALES
+    launch, accumulate = flash.launch_fitting, flash._accumulate_in_dot
     cap = int(name[3:]) if name.startswith("reg") else None
 
     def launch_recorded(kernel, grid, args, constants):
@@ -61,18 +59,15 @@ def variant(name: str):
     def no_units(pq, per_tile, fp8, fixed):
         return {} if not pq.constant_factor else accumulate(pq, per_tile, fp8, fixed)
 
-    if name not in ("base", "noacc", "noquad") and cap is None:
-        raise SystemExit(f"a variant is base, noacc, noquad or regN (N registers), got {name!r}")
+    if name not in ("base", "noacc") and cap is None:
+        raise SystemExit(f"a variant is base, noacc or regN (N registers), got {name!r}")
     flash.launch_fitting = launch_recorded
     if name == "noacc":
         flash._accumulate_in_dot = no_units
-    if name == "noquad":
-        flash.QUAD_SCALES = False
     try:
         yield
     finally:
         flash.launch_fitting, flash._accumulate_in_dot = launch, accumulate
-        flash.QUAD_SCALES = quad
 
 
 def main() -> None:

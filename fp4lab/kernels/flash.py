@@ -191,55 +191,6 @@ HW_RCP = tl.constexpr(_hardware_rcp())
 RCP_LO, RCP_HI = tl.constexpr(2.0**-126), tl.constexpr(2.0**126)
 
 
-def _hardware_quad(capability: tuple[int, int] | None = None) -> bool:
-    """Whether compiled forward kernels may compute P's block scales once a quad (`_quad_te`):
-    on sm_90 (Hopper's wgmma layouts, where the four consecutive lanes of a quad hold a row's
-    16-key block between them, so that the block's amax comes out of its reduction the same in
-    all four; checked bit for bit against the plain path on the H200, tests/kernels/
-    test_flash.py), and for a target compiled for without a GPU (`compile_offline.py`, sm_90);
-    not under Triton's interpreter (no PTX), not on other GPUs (Blackwell's tensor-memory
-    layouts give a thread whole rows), nor with FP4LAB_HW_QUAD=0."""
-    if os.environ.get("FP4LAB_HW_QUAD", "1") == "0" or not _hardware_rcp():
-        return False
-    if capability is None:
-        if not torch.cuda.is_available():
-            return True  # compiled for sm_90 without a GPU (benchmarks/compile_offline.py)
-        capability = torch.cuda.get_device_capability()
-    return tuple(capability)[0] == 9
-
-
-HW_QUAD = _hardware_quad()
-# `_quad_te`'s PTX: lane i of a quad (4 consecutive lanes holding the same 4 block amaxes, $8
-# to $11) computes block i's scale and multiplier (TE_ENCODE's float32 order, as
-# `_block_scales`), and four shuffles within the quad give every lane all four: multipliers
-# into $0 to $3, scales into $4 to $7. The other inputs, four operands each (one value): c =
-# g / M_e ($12), the decode scale ($16), the scale format's smallest binade ($20), 1.5 2^23
-# times its unit ($24) and its maximum ($28). Every rounded operation is explicit (.rn), so
-# ptxas contracts nothing.
-_QUAD_HEAD = (
-    "{ .reg .pred q1, q2, q3, qz; .reg .b32 ln; .reg .f32 a, t, y, m, u, s, d, r, e, f;"
-    " mov.u32 ln, %laneid; and.b32 ln, ln, 3;"
-    " setp.eq.u32 q1, ln, 1; setp.eq.u32 q2, ln, 2; setp.eq.u32 q3, ln, 3;"
-    " selp.f32 a, $9, $8, q1; selp.f32 a, $10, a, q2; selp.f32 a, $11, a, q3;"
-    # t = min(amax c, FLT_MAX); s = the scale format's round of t (`_round`: saturate first)
-    " mul.rn.f32 t, a, $12; min.f32 t, t, 0f7F7FFFFF; min.NaN.f32 y, t, $28;"
-    " and.b32 m, y, 0x7F800000; max.f32 m, m, $20;"
-    " fma.rn.f32 u, m, $24, y; neg.f32 d, $24; fma.rn.f32 s, m, d, u;"
-    # f = min(1 / (s d), FLT_MAX): `_reciprocal`'s three instructions
-    " mul.rn.f32 d, s, $16; rcp.approx.ftz.f32 r, d; fma.rn.f32 e, d, r, 0fBF800000;"
-    " neg.f32 e, e; fma.rn.f32 f, r, e, r; min.f32 f, f, 0f7F7FFFFF;"
-)
-_QUAD_ZERO = " setp.eq.f32 qz, s, 0f00000000; selp.f32 f, 0f00000000, f, qz;"
-_QUAD_TAIL = (
-    "".join(f" shfl.sync.idx.b32 ${i}, f, {i}, 0x1C1F, 0xFFFFFFFF;" for i in range(4))
-    + "".join(f" shfl.sync.idx.b32 ${i + 4}, s, {i}, 0x1C1F, 0xFFFFFFFF;" for i in range(4))
-    + " }"
-)
-QUAD_TENSOR_ASM = tl.constexpr(_QUAD_HEAD + _QUAD_TAIL)
-QUAD_ZERO_ASM = tl.constexpr(_QUAD_HEAD + _QUAD_ZERO + _QUAD_TAIL)
-QUAD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 24))
-
-
 # -- device functions: rounding onto a format's grid, and P's block scales -------------------------
 @triton.jit
 def _round(x, Q_LO: tl.constexpr, Q_HI: tl.constexpr, UNIT: tl.constexpr, MAXV: tl.constexpr):
@@ -595,37 +546,6 @@ def _pow2(e):
 
 
 @triton.jit
-def _quad_te(amax, c, decode, SQ_LO: tl.constexpr, S_UNIT: tl.constexpr, S_MAX: tl.constexpr,
-             TENSOR: tl.constexpr):
-    """(store, factor) of TE_ENCODE's blocks rounded to nearest onto a short scale format (its
-    nonzero values normal floats below 2^126), as `_block_scales` computes them (t = min(amax
-    c, FLT_MAX) rounded by `_round`, factor = min(1 / (store decode), FLT_MAX) by
-    `_reciprocal`, 0 for a zero store without a tensor scale), for `amax` (rows, blocks) that
-    came out of a reduction over the four lanes of each quad (`HW_QUAD`'s layouts): every
-    lane holds the same values, so lane i of a quad computes each group of four's i-th block
-    alone and the quad's shuffles hand it to the others (`_QUAD_HEAD`). Per thread a
-    sixteen-block tile's scales take about a quarter of the instructions. TENSOR: `decode`
-    is the tile's decode scale, with store decode in `_reciprocal`'s range (the caller's
-    uniform branch); else 1."""
-    lo = tl.full(amax.shape, SQ_LO, tl.float32)
-    unit = tl.full(amax.shape, S_UNIT * 12582912.0, tl.float32)
-    top = tl.full(amax.shape, S_MAX, tl.float32)
-    cs = tl.zeros_like(amax) + c
-    ds = tl.zeros_like(amax) + decode
-    if TENSOR:
-        factor, store = tl.inline_asm_elementwise(
-            QUAD_TENSOR_ASM, QUAD_CONSTRAINTS, [amax, cs, ds, lo, unit, top],
-            dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
-        )
-    else:
-        factor, store = tl.inline_asm_elementwise(
-            QUAD_ZERO_ASM, QUAD_CONSTRAINTS, [amax, cs, ds, lo, unit, top],
-            dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
-        )
-    return store, factor
-
-
-@triton.jit
 def _block_scales(
     amax,
     A,
@@ -641,37 +561,15 @@ def _block_scales(
     ARITH: tl.constexpr,
     TENSOR: tl.constexpr,
     EMAX_E: tl.constexpr,
-    QUAD: tl.constexpr = False,
 ):
     """(store, factor, divisor, decode) of blocks with amax `amax` in a tile of amax A, in the
     float32 order of `fp4lab.formats`' ScaleArithmetic / ScaleRule: the elements are
     x * factor or, where divisor > 0 (EXACT, DIVIDE_UNROUNDED), x / divisor correctly rounded
     (a zero divisor flushes); the dequantized value is code * store * decode / M_e^[alpha],
-    with store bf16-exact (the block scale, or 2^E for an alpha-grid scale). QUAD (TE_ENCODE
-    to nearest onto a short scale format, `amax` reduced over a quad: `_quad_te`): each
-    block's scale and multiplier computed once a quad, the same bits."""
+    with store bf16-exact (the block scale, or 2^E for an alpha-grid scale)."""
     decode = 1.0
     divisor = tl.zeros_like(amax)
-    # every nonzero scale in `_reciprocal`'s range: its smallest subnormal and its largest
-    SHORT: tl.constexpr = SCALE_Q_LO * SCALE_UNIT >= RCP_LO and SCALE_MAX < RCP_HI
-    if RULE == 0 and ARITH == 1 and QUAD and SHORT:
-        g = 1.0
-        if TENSOR:
-            g = tl.minimum(_div(SCALE_MAX * M_E, A), 3.4028234663852886e38)
-            g = tl.where(g == 0.0, 1.0, g)
-            decode = _div(1.0, g)
-            # the tile's decode scale (uniform): its products with the scales in range
-            if decode * (SCALE_Q_LO * SCALE_UNIT) >= RCP_LO and decode * SCALE_MAX < RCP_HI:
-                store, factor = _quad_te(amax, g * INV_ME, decode, SCALE_Q_LO, SCALE_UNIT,
-                                         SCALE_MAX, True)
-            else:
-                t = tl.minimum(amax * (g * INV_ME), 3.4028234663852886e38)
-                store = _round(t, SCALE_Q_LO, SCALE_Q_HI, SCALE_UNIT, SCALE_MAX)
-                factor = tl.minimum(_div(1.0, store * decode), 3.4028234663852886e38)
-        else:
-            store, factor = _quad_te(amax, g * INV_ME, 1.0, SCALE_Q_LO, SCALE_UNIT, SCALE_MAX,
-                                     False)
-    elif RULE == 0:  # NEAREST: t = a' / M_e rounded into the scale format
+    if RULE == 0:  # NEAREST: t = a' / M_e rounded into the scale format
         if ARITH == 1:  # TE_ENCODE
             g = 1.0
             if TENSOR:
@@ -682,6 +580,8 @@ def _block_scales(
         else:
             t = tl.div_rn(amax, tl.zeros_like(amax) + M_E)
         store = _round(t, SCALE_Q_LO, SCALE_Q_HI, SCALE_UNIT, SCALE_MAX)
+        # every nonzero scale in `_reciprocal`'s range: its smallest subnormal and its largest
+        SHORT: tl.constexpr = SCALE_Q_LO * SCALE_UNIT >= RCP_LO and SCALE_MAX < RCP_HI
         if SHORT:
             factor = tl.where(store == 0.0, 0.0, _reciprocal(store))  # RECIPROCAL
         else:
@@ -782,7 +682,6 @@ def _quantize_p(
     SR: tl.constexpr = False,
     SR_BITS: tl.constexpr = 0,
     UNITS: tl.constexpr = False,
-    QUAD: tl.constexpr = False,
 ):
     """P^ of a (BLOCK_M, BLOCK_N) tile as (values, tile factor): values are bf16-exact (codes
     times block scales, the lift kept), the tile factor (the tensor decode scale over the
@@ -793,7 +692,7 @@ def _quantize_p(
     returned is its significand r in [1, 2) (NaN stays NaN): values times factor are the same
     numbers, and any sum of the values times r the same bits as without UNITS, while the
     block scales times 2^e stay normal floats (the tile's elements above 2^-120 or so, far
-    below anything an output keeps: `_accumulate_in_dot`). QUAD: `_block_scales`' QUAD."""
+    below anything an output keeps: `_accumulate_in_dot`)."""
     x = p * LIFT
     if MODE == 0:
         return x, 1.0 / LIFT
@@ -819,7 +718,6 @@ def _quantize_p(
         ARITH,
         TENSOR,
         EMAX_E,
-        QUAD,
     )
     scaled = _scaled_blocks(blocks, factor, divisor, RULE, ARITH, S_UNIT, SQ_LO, S_MAX)
     if SR:
@@ -1075,7 +973,7 @@ def _fwd_inner(
     EMAX_E: tl.constexpr, LOG2_ME: tl.constexpr, SR: tl.constexpr, SR_BITS: tl.constexpr,
     TRACE: tl.constexpr, N_STATS: tl.constexpr, UNDER: tl.constexpr, OVER: tl.constexpr,
     P_SHIFT: tl.constexpr, LEAK_PARTS: tl.constexpr, ACC_DOT: tl.constexpr,
-    Z_FMA: tl.constexpr, ACC_UNITS: tl.constexpr, QUAD: tl.constexpr,
+    Z_FMA: tl.constexpr, ACC_UNITS: tl.constexpr,
 ):
     """`count` key tiles of one query tile from key tile `first`, up (or down, REVERSE): the
     loop runs over a counter, since a loop's step must be positive on the GPU. MASKED
@@ -1098,7 +996,7 @@ def _fwd_inner(
     P itself passes float32 (log2 P >= 128, which a fixed row reference permits). ACC_UNITS
     (with ACC_DOT, a per-tile tensor scale of P): acc is held in units of `unit`, the last
     tile factor's significand (`_quantize_p`'s UNITS), and moves into each tile's own before
-    its dot. QUAD: P's block scales once a quad (`_quad_scales`)."""
+    its dot."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, V_DIM)
     for t in range(0, count):
@@ -1181,7 +1079,7 @@ def _fwd_inner(
             p_hat, factor = _quantize_p(
                 p_q, words, BLOCK_M, BLOCK_N, MODE, LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
                 SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, SR, SR_BITS,
-                ACC_UNITS, QUAD,
+                ACC_UNITS,
             )
         if MASKED and LEAK > 0:  # the leakage fix: the diagonal blocks' P leaves P^
             diagonal = (offs_m[:, None] // LEAK) == (offs_n[None, :] // LEAK)
@@ -1345,8 +1243,6 @@ def _attn_fwd(
     ACC_DOT: tl.constexpr = False, ACC_FACTOR: tl.constexpr = 1.0, ACC_UNITS: tl.constexpr = False,
     # z = S - m in one fma of the unscaled products (`_z_in_one_fma`)
     Z_FMA: tl.constexpr = False,
-    # P's block scales once a quad (`_quad_scales`)
-    QUAD: tl.constexpr = False,
 ):
     """One query tile of one (batch, head): O and the log-sum-exp (natural units, or log2
     units with LSE_LOG2, as the backward reads it); with PRIME also Attn-QAT's O' into OutP
@@ -1449,7 +1345,7 @@ def _attn_fwd(
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT, LEAK_PARTS,
-        ACC_DOT, Z_FMA, ACC_UNITS, QUAD,
+        ACC_DOT, Z_FMA, ACC_UNITS,
     )
     acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, unit = _fwd_inner(
         acc, l_i, m_i, acc_p, l_p, l_hat, l_pl, unit, q, k_base, v_base, vp_base, mref_base,
@@ -1460,7 +1356,7 @@ def _attn_fwd(
         BLOCK_N, CAUSAL, FIXED, LAZY, LAZY_LOG2, ROW_SUM_Q, PV_FP8, PRIME, MODE, LIFT, EQ_LO, EQ_HI,
         E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
         EMAX_E, LOG2_ME, SR, SR_BITS, TRACE, N_STATS, UNDER, OVER, P_SHIFT, LEAK_PARTS,
-        ACC_DOT, Z_FMA, ACC_UNITS, QUAD,
+        ACC_DOT, Z_FMA, ACC_UNITS,
     )
     empty = l_i == 0.0
     if ACC_UNITS:
@@ -1559,30 +1455,6 @@ def _z_in_one_fma(pq: PQuantizer, scale: float, traced: bool, smooth_q: bool,
     if traced or smooth_q or tile_scope or not scale > 0 or pq.MODE not in (0, 1, MODE_BF16):
         return {}
     return dict(Z_FMA=True)
-
-
-# whether forward kernels compute P's block scales once a quad where they can (`_quad_scales`);
-# tests set it False to compare the two paths on the GPU
-QUAD_SCALES = HW_QUAD
-
-
-def _quad_scales(pq: PQuantizer, traced: bool, block_n: int) -> dict:
-    """QUAD: whether the forward computes each of P's block scales once a quad rather than in
-    every lane that holds the block (`_quad_te`: the same bits, about three quarters of the
-    per-block instructions fewer; NVFP4's 128 x 128 tile holds sixteen blocks a thread). Where
-    `QUAD_SCALES` is on (`_hardware_quad`: sm_90 or compiled for it), for block-scaled P
-    (not Direct-P nor two-level P) rounded to nearest onto TE_ENCODE's scales in a format
-    whose nonzero values lie in `_reciprocal`'s range (and that `_round` rounds by its magic
-    number), with a multiple of four blocks in a tile's row (so that a thread's blocks come
-    in fours), and not traced (the traced kernel
-    recounts P's blocks in its own layouts)."""
-    if not QUAD_SCALES or traced or pq.MODE != 2:
-        return {}
-    lo, hi, unit, top = pq.SCALE
-    short = lo * unit >= 2.0**-126 and top < 2.0**126 and hi * unit <= 2.0**103
-    if pq.RULE != 0 or pq.ARITH != 1 or not short or (block_n // pq.BLOCK) % 4:
-        return {}
-    return dict(QUAD=True)
 
 
 _REFERENCES = {"running": 0, "anchor": 1, "zero": 2}
@@ -1870,7 +1742,6 @@ def attention_forward(
         **_accumulate_in_dot(pq, o_prime is not None or trace is not None or tile_scope
                              or leakage_block > 0, pv_fp8, reference != "running"),
         **_z_in_one_fma(pq, scale, trace is not None, mean_scores is not None, tile_scope),
-        **_quad_scales(pq, trace is not None, block_n),
         **instrument,
         num_warps=num_warps,
         num_stages=num_stages,
