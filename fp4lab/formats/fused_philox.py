@@ -10,7 +10,7 @@ counter, each of its four words w rounded toward zero to 24 significant bits and
 Why. The eager rounds are torch passes over int64 buffers, ten a round and about eighty a
 counter, each reading and writing memory; stochastic rounding of one attention backward
 draws tens of millions of uniforms that way. Compiled, a counter's words stay in registers
-through the ten rounds: one pass, about four times faster on one thread.
+through the ten rounds: one pass (the figures: benchmarks/RESULTS.md, session 24).
 
 How. `torch.compile` (inductor's C++ backend) of plain torch integer arithmetic. Integer
 arithmetic has one answer whatever order or fusion a compiler picks, so the compiled code
@@ -119,7 +119,7 @@ def _kernel():
 
 def _require_compiler() -> None:
     """Raise where inductor finds no working C++ compiler: at once, where compiling would
-    fail only after seconds of tracing (7 s against 1 s on the development machine)."""
+    fail only after seconds of tracing."""
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
     except ImportError:  # a torch without this check: the compile itself tells
@@ -130,11 +130,15 @@ def _require_compiler() -> None:
 def _compiled(kernel):
     """`kernel` called without duck sizing: equal sizes at the first call (P == r, say)
     would otherwise be assumed equal forever, and every other shape would recompile."""
-    config = getattr(getattr(torch.fx.experimental, "_config", None), "patch", None)
+    try:
+        from torch.fx.experimental import _config as fx_config
+
+        patch = lambda: fx_config.patch(use_duck_shape=False)  # noqa: E731
+    except (ImportError, AttributeError):  # a torch without the setting: recompiles, no more
+        patch = contextlib.nullcontext
 
     def call(*args):
-        patch = config(use_duck_shape=False) if config else contextlib.nullcontext()
-        with patch:
+        with patch():
             return kernel(*args)
 
     return call
@@ -158,7 +162,7 @@ def _mul_hi_lo(c: torch.Tensor, m: int):
     past 2^49: m c = a + b 2^16 with a = c (m mod 2^16) and b = c floor(m / 2^16)."""
     a = c * (m & 0xFFFF)
     b = c * (m >> 16)
-    t = a + ((b & 0xFFFF) << 16)  # the low 48 bits of m c, plus carries above bit 32
+    t = a + ((b & 0xFFFF) << 16)  # m c less (b >> 16) 2^32, below 2^49
     return ((t >> 32) + (b >> 16)) & _WORD_MASK, t & _WORD_MASK
 
 
