@@ -125,7 +125,7 @@ def record_forward(
     }  # fmt: skip
     rec = trace.begin(recipe.name, (B, Hk, G, nQ, nK), meta)
     heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
-    stats = _host(bufs.stats)  # (B, H, nQ, nK, N) float32: one copy, the columns on the host
+    stats = _host(bufs.stats).double()  # (B, H, nQ, nK, N): one copy and one conversion
     st = {name: heads(stats[..., i]) for i, name in enumerate(FORWARD_STATS)}
     like = st["nonzero"]  # (B, Hkv, G, nQ, nK)
     q_tiles = lambda x: _tiles(heads_of(x, B, Hk, G), bm)  # noqa: E731
@@ -189,7 +189,7 @@ def record_backward(
     visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
     rows = _host(_tiles(torch.isfinite(lse2)[..., None].double(), bm).sum((-2, -1)))
     whole = _backward_operands(recipe, inputs, G, bm, bn, smoothed)
-    kernel = {key: _host(bufs[key]) for key in ("dv", "dq", "dk")}  # one copy each
+    kernel = {key: _host(bufs[key]).double() for key in ("dv", "dq", "dk")}  # one copy each
     like = heads(kernel["dv"][..., 0])
     side = lambda name: {  # noqa: E731  an operand's tile columns, broadcast to (..., nQ, nK)
         n: (_host(c)[..., None] if name in ("do_dv", "do_dp", "q_dk")
