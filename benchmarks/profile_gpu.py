@@ -7,7 +7,12 @@ Writes, per case, the operators sorted by their total device time (`<case>.txt`,
 profiler's own table) and the same as JSON rows (`profile_gpu.json`: name, calls, device and
 host microseconds), with the case's wall time per call (CUDA-synchronised, median of 5), and
 the Python functions of 20 calls under cProfile sorted by their own time
-(`<case>.host.txt`): where a call's host time goes when it exceeds the GPU's.
+(`<case>.host.txt`): where a call's host time goes when it exceeds the GPU's. Under the
+profiler the trace's own steps (`RANGES`: the kernels' trace conversion, the operands'
+reference quantization and statistics, the product errors, `TraceCall.add`) are wrapped in
+`record_function` ranges, so that `<case>.ranges.txt` gives each step's device and host time
+(a range's device time is that of the kernels launched inside it; ranges nest: the outer
+`record_forward` holds the others). The functions are wrapped only for that profiled call.
 
     python benchmarks/profile_gpu.py --out DIR [--cases reference traced untraced]
 """
@@ -15,7 +20,9 @@ the Python functions of 20 calls under cProfile sorted by their own time
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import importlib
 import io
 import json
 import os
@@ -24,11 +31,48 @@ import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import fp4lab
 from fp4lab.analysis import attention as reference_attention
 from fp4lab.recipes import Trace
+
+# (module, attribute): the trace's steps timed as ranges (a class's method as "Class.method")
+RANGES = (
+    ("fp4lab.kernels.trace", "record_forward"),
+    ("fp4lab.kernels.trace", "_quantized"),
+    ("fp4lab.kernels.trace", "whole_stats"),
+    ("fp4lab.kernels.trace", "_product_errors"),
+    ("fp4lab.kernels.trace", "_out_errors"),
+    ("fp4lab.kernels.trace", "_mass_lost"),
+    ("fp4lab.kernels.trace", "_operand_columns"),
+    ("fp4lab.kernels.trace", "_host"),
+    ("fp4lab.recipes.trace", "TraceCall.add"),
+)
+
+
+@contextlib.contextmanager
+def ranges():
+    """Within: each of `RANGES` runs inside a `record_function` named after it."""
+    saved = []
+    for module_name, attribute in RANGES:
+        owner = importlib.import_module(module_name)
+        *outer, name = attribute.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        fn = getattr(owner, name)
+
+        def wrapped(*args, _fn=fn, _label=f"{module_name}.{attribute}", **kwargs):
+            with record_function(_label):
+                return _fn(*args, **kwargs)
+
+        saved.append((owner, name, fn))
+        setattr(owner, name, wrapped)
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)
 
 
 def _inputs(b, h, s, d, seed):
@@ -89,10 +133,17 @@ def main() -> None:
         for _ in range(3):  # compile, allocate, warm the caches
             fn()
         ms = wall_ms(fn)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with ranges(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
         averages = prof.key_averages()
+        steps = [e for e in averages if e.key.startswith("fp4lab.")]
+        with open(os.path.join(args.out, f"{name}.ranges.txt"), "w") as f:
+            f.write(f"{what}\nthe trace's steps (record_function ranges, one profiled call)\n\n")
+            f.write(f"{'range':<48} {'calls':>5} {'device ms':>10} {'host ms':>10}\n")
+            for e in sorted(steps, key=lambda e: -e.device_time_total):
+                f.write(f"{e.key:<48} {e.count:>5} {e.device_time_total / 1e3:>10.3f} "
+                        f"{e.cpu_time_total / 1e3:>10.3f}\n")
         with open(os.path.join(args.out, f"{name}.txt"), "w") as f:
             f.write(f"{what}\nwall {ms:.3f} ms per call (median of 5)\n\n")
             f.write(averages.table(sort_by="cuda_time_total", row_limit=args.top))
