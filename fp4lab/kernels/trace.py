@@ -125,9 +125,6 @@ def record_forward(
     }  # fmt: skip
     rec = trace.begin(recipe.name, (B, Hk, G, nQ, nK), meta)
     heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
-    stats = _host(bufs.stats).double()  # (B, H, nQ, nK, N): one copy and one conversion
-    st = {name: heads(stats[..., i]) for i, name in enumerate(FORWARD_STATS)}
-    like = st["nonzero"]  # (B, Hkv, G, nQ, nK)
     q_tiles = lambda x: _tiles(heads_of(x, B, Hk, G), bm)  # noqa: E731
     k_tiles = lambda x: _tiles(x, bn)  # noqa: E731
     q_src = q.float() if smoothed is None else smoothed[0]
@@ -135,10 +132,6 @@ def record_forward(
     qs = whole_stats(q_src, q_hat, q_tiles)
     ks = whole_stats(k.float(), k_hat, k_tiles)
     vs = whole_stats(v.float(), _quantized(v, recipe, "v", 1, bn), k_tiles)
-    q_cols = {n: _host(c)[..., None].expand_as(like) for n, c in qs.items()}  # (B, Hkv, G, nQ, 1)
-    k_cols = {n: _host(c)[:, :, None, None].expand_as(like) for n, c in ks.items()}
-    v_cols = {n: _host(c)[:, :, None, None].expand_as(like) for n, c in vs.items()}
-    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
     if smoothed is None:
         qk_err = _product_errors((q, q_hat.values), (k, k_hat.values), cfg["scale"], cfg, G)
     else:  # [Q - M, M] [K^, K]^T = S^, and [Q - M, M] [K, K]^T = Q K^T up to fp32 rounding
@@ -149,19 +142,30 @@ def record_forward(
             (side(q_src, mean), side(q_hat.values, mean)), (side(kf, kf), side(k_hat.values, kf)),
             cfg["scale"], cfg, G,
         )  # fmt: skip
-    qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_err": _host(qk_err),
+    host = _host_all({  # every per-tile table the columns need, in one copy
+        "stats": bufs.stats, "lost": _mass_lost(bufs.lost, lse2, bm), "sums": bufs.out,
+        "qk_err": qk_err, **_named("q", qs), **_named("k", ks), **_named("v", vs),
+        **_named("out", _out_errors(o, lse2, *exact, bm)),
+    })  # fmt: skip
+    stats = host["stats"].double()  # (B, H, nQ, nK, N)
+    st = {name: heads(stats[..., i]) for i, name in enumerate(FORWARD_STATS)}
+    like = st["nonzero"]  # (B, Hkv, G, nQ, nK)
+    q_cols = {n: c[..., None].expand_as(like) for n, c in _unnamed("q", host).items()}
+    k_cols = {n: c[:, :, None, None].expand_as(like) for n, c in _unnamed("k", host).items()}
+    v_cols = {n: c[:, :, None, None].expand_as(like) for n, c in _unnamed("v", host).items()}
+    visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
+    qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_err": host["qk_err"],
           "prod_nan": st["qk_nan"]}  # fmt: skip
     rec.add(Product.QK, 0, 0, qk, visible)
     pv = {
         **prefix(_operand_columns(st, cfg["mode"]), "a"),
         **prefix(v_cols, "b"),
-        "p_mass_lost": heads(_host(_mass_lost(bufs.lost, lse2, bm))),
+        "p_mass_lost": heads(host["lost"]),
         "prod_nan": st["pv_nan"],
     }
     rec.add(Product.PV, 0, 0, pv, visible)
-    sums = _host(bufs.out).double()  # (B, H, nQ, 2)
-    errors = {name: _host(value) for name, value in _out_errors(o, lse2, *exact, bm).items()}
-    out = {"row_sum_err": sums[..., 0] / sums[..., 1], **errors}
+    sums = host["sums"].double()  # (B, H, nQ, 2)
+    out = {"row_sum_err": sums[..., 0] / sums[..., 1], **_unnamed("out", host)}
     rec.add_out(0, {name: heads(value) for name, value in out.items()})
     return rec
 
@@ -187,14 +191,20 @@ def record_backward(
     bm, bn, Sq = cfg["block_m"], cfg["block_n"], lse2.shape[-1]
     heads = lambda x: x.reshape(B, Hk, G, *x.shape[2:]).double()  # noqa: E731  (B, Hkv, G, ...)
     visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
-    rows = _host(_tiles(torch.isfinite(lse2)[..., None].double(), bm).sum((-2, -1)))
+    rows = _tiles(torch.isfinite(lse2)[..., None].double(), bm).sum((-2, -1))
     whole = _backward_operands(recipe, inputs, G, bm, bn, smoothed)
-    kernel = {key: _host(bufs[key]).double() for key in ("dv", "dq", "dk")}  # one copy each
+    (do, do_hat), (v, v_hat) = whole["do_dp"].pop("operands"), whole["v_dp"].pop("operands")
+    dp_err = _product_errors((do, do_hat), (v, v_hat), 1.0, cfg, G)
+    host = _host_all({  # every per-tile table the columns need, in one copy
+        "rows": rows, "dp_err": dp_err, **{key: bufs[key] for key in ("dv", "dq", "dk")},
+        **{k: c for name, cols in whole.items() for k, c in _named(name, cols).items()},
+    })  # fmt: skip
+    kernel = {key: host[key].double() for key in ("dv", "dq", "dk")}
     like = heads(kernel["dv"][..., 0])
     side = lambda name: {  # noqa: E731  an operand's tile columns, broadcast to (..., nQ, nK)
-        n: (_host(c)[..., None] if name in ("do_dv", "do_dp", "q_dk")
-            else _host(c)[:, :, None, None]).expand_as(like)
-        for n, c in whole[name].items()
+        n: (c[..., None] if name in ("do_dv", "do_dp", "q_dk")
+            else c[:, :, None, None]).expand_as(like)
+        for n, c in _unnamed(name, host).items()
     }  # fmt: skip
     for product, key, b_name in (
         (Product.DV, "dv", "do_dv"), (Product.DQ, "dq", "k_dq"), (Product.DK, "dk", "q_dk"),
@@ -202,12 +212,10 @@ def record_backward(
         st = {name: heads(kernel[key][..., i]) for i, name in enumerate(BACKWARD_STATS)}
         cols = {**prefix(_operand_columns(st, modes[key]), "a"), **prefix(side(b_name), "b")}
         if product is Product.DV:  # P is normalized: the flushed mass is in final units
-            cols["p_mass_lost"] = st["lost"] / heads(rows)[..., None]
+            cols["p_mass_lost"] = st["lost"] / heads(host["rows"])[..., None]
         rec.add(product, 0, 0, cols, visible)
-    (do, do_hat), (v, v_hat) = whole["do_dp"].pop("operands"), whole["v_dp"].pop("operands")
-    dp_err = _host(_product_errors((do, do_hat), (v, v_hat), 1.0, cfg, G))
     rec.add(Product.DP, 0, 0, {**prefix(side("do_dp"), "a"), **prefix(side("v_dp"), "b"),
-                               "prod_err": dp_err}, visible)  # fmt: skip
+                               "prod_err": host["dp_err"]}, visible)  # fmt: skip
 
 
 def _backward_operands(
@@ -371,13 +379,42 @@ def _tiles(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-2], -1, rows, x.shape[-1])
 
 
-def _host(x: torch.Tensor) -> torch.Tensor:
-    """A per-tile table (small: tiles, not elements) on the host, where `TraceCall` keeps its
-    columns: the kernels' sums move once, before the columns derived from them (elementwise
-    float64, the same bits on either device) and before their broadcast over the other
-    side's tiles, so that a call copies each small per-tile table once (a few dozen
-    copies of tiles' numbers) rather than each column broadcast over every tile pair."""
-    return x.detach().to("cpu")
+def _host_all(tables: dict[str, torch.Tensor], pack: bool = False) -> dict[str, torch.Tensor]:
+    """Per-tile tables (small: tiles, not elements) on the host, where `TraceCall` keeps its
+    columns, in one device-to-host copy: their bytes side by side in one buffer (each
+    padded to 8 bytes), copied once, cut apart and viewed as their own dtypes and shapes.
+    They cross before the columns derived from them (elementwise float64, the same bits on
+    either device) and before their broadcast over the other side's tiles, so that a call
+    waits for the GPU once and moves tiles' numbers, not tile pairs'. Tables already all on
+    the host are returned as they are, unless `pack` (the packing tested on the CPU)."""
+    tables = {name: t.detach() for name, t in tables.items()}
+    devices = [t.device for t in tables.values() if t.device.type != "cpu"]
+    if not devices and not pack:
+        return tables
+    device = devices[0] if devices else torch.device("cpu")
+    parts, spans, start = [], {}, 0
+    for name, t in tables.items():
+        raw = t.contiguous().reshape(-1).view(torch.uint8).to(device)
+        pad = -raw.numel() % 8
+        parts.append(raw if not pad else torch.cat((raw, raw.new_zeros(pad))))
+        spans[name] = (start, raw.numel())
+        start += raw.numel() + pad
+    flat = torch.cat(parts).cpu()
+    return {
+        name: flat[a : a + n].view(t.dtype).reshape(t.shape)
+        for (name, t), (a, n) in zip(tables.items(), spans.values(), strict=True)
+    }
+
+
+def _named(prefix_: str, columns: dict) -> dict:
+    """columns renamed "<prefix_>.<name>" (to travel in one `_host_all`)."""
+    return {f"{prefix_}.{name}": value for name, value in columns.items()}
+
+
+def _unnamed(prefix_: str, tables: dict) -> dict:
+    """The tables `_named(prefix_, ...)` put in, under their own names."""
+    mark = f"{prefix_}."
+    return {name[len(mark):]: t for name, t in tables.items() if name.startswith(mark)}
 
 
 def _quantized(x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, rows: int):

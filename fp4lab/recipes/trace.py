@@ -206,6 +206,15 @@ _BY_NAME = {c.name: c for c in COLUMNS}
 _APART = 4096
 
 
+def _compact(x: torch.Tensor) -> torch.Tensor:
+    """A float64 copy of x's distinct values: each broadcast dim (stride 0) cut to one entry
+    before the copy, so that a column the same over the other side's tiles stays small."""
+    for dim, (size, stride) in enumerate(zip(x.shape, x.stride(), strict=True)):
+        if stride == 0 and size > 1:
+            x = x.narrow(dim, 0, 1)
+    return x.to(torch.float64, copy=True)
+
+
 def column(name: str) -> Column:
     """The `Column` of a frame column's name (``a_flushed`` gives the ``flushed`` operand
     column, with its short definition naming the operand side)."""
@@ -283,30 +292,45 @@ class TraceCall:
         visible: torch.Tensor,
     ) -> None:
         """Store a block's statistics: query tiles i0 .. i0 + n by key tiles j0 .. j0 + g,
-        each (B, Hkv, G, n, g); `visible` (n, g) marks the tiles that count (the others, a
-        causal mask's skipped tiles, never appear in the frame).
+        each (B, Hkv, G, n, g) or broadcastable to it; `visible` (n, g) marks the tiles that
+        count (the others, a causal mask's skipped tiles, never appear in the frame).
 
-        Columns are kept stacked, (columns, B, Hkv, G, nQ, nK). A block on the GPU is stacked
-        there and crosses to the host in one copy, whatever the number of columns; a large
-        block already on the host (the Triton backend's, whole tables of tile pairs, many
-        columns broadcast over the other side's tiles) is copied column by column into the
-        table, with no stacked intermediate."""
-        n, g = torch.broadcast_shapes(*(v.shape for v in stats.values()))[-2:]
+        How they are kept. A block on the host that covers every tile with columns new to
+        the product (the Triton backend's: whole tables, many columns the same over the
+        other side's tiles) keeps each column as given, a private copy of its distinct
+        values broadcast to the whole (a per-query-tile column holds n_q numbers, not
+        n_q x n_k). Other blocks go into a stacked table (columns, B, Hkv, G, nQ, nK),
+        NaN where nothing was written: a block on the GPU is stacked there and crosses to
+        the host in one copy, whatever the number of columns; a large one on the host is
+        copied column by column, with no stacked intermediate. A column kept whole that a
+        later block writes into joins the table first."""
+        shapes = {tuple(v.shape) for v in stats.values()}
+        n, g = (shapes.pop() if len(shapes) == 1 else torch.broadcast_shapes(*shapes))[-2:]
         if product not in self.products:
             self.products[product] = {
                 "columns": [],
                 "table": torch.empty((0, *self.dims), dtype=torch.float64),
+                "whole": {},
             }
             self.done[product] = torch.zeros(self.dims[3:], dtype=torch.bool)
         entry = self.products[product]
+        covers = (i0, j0, n, g) == (0, 0, *self.dims[3:])
+        on_host = all(v.device.type == "cpu" for v in stats.values())
+        known = [name for name in stats if name in entry["columns"] or name in entry["whole"]]
+        if covers and on_host and not known:
+            for name, value in stats.items():
+                entry["whole"][name] = _compact(value.detach()).expand(self.dims)
+            self.done[product] |= visible
+            return
+        if any(name in entry["whole"] for name in known):  # into the table, in stats' order
+            self._tabulate(entry, [name for name in stats if name in entry["whole"]])
         new = [name for name in stats if name not in entry["columns"]]
         if new:
             # a block that covers every tile writes all of its new columns: nothing to fill
-            whole = (i0, j0, n, g) == (0, 0, *self.dims[3:]) and len(new) == len(stats)
             shape = (len(new), *self.dims)
             fill = (
                 torch.empty(shape, dtype=torch.float64)
-                if whole
+                if covers and len(new) == len(stats)
                 else torch.full(shape, float("nan"), dtype=torch.float64)
             )
             table = entry["table"]
@@ -318,13 +342,33 @@ class TraceCall:
             raise ValueError(f"columns {list(stats)} are not stored together for {product.value}")
         values = [stats[name].detach() for name in names]
         dest = entry["table"][first : first + len(names), ..., i0 : i0 + n, j0 : j0 + g]
-        on_host = all(v.device.type == "cpu" for v in values)
         if on_host and dest[0].numel() >= _APART:
             for column, value in zip(dest.unbind(0), values, strict=True):
                 column.copy_(value)  # broadcast and converted in the copy
         else:
             dest.copy_(torch.stack(torch.broadcast_tensors(*values)).to("cpu", torch.float64))
         self.done[product][i0 : i0 + n, j0 : j0 + g] |= visible
+
+    def column(self, product: Product, name: str) -> torch.Tensor:
+        """Column `name` of `product`, (B, Hkv, G, nQ, nK) float64 (a broadcast view for a
+        column kept whole; meaningful only where `done[product]`)."""
+        entry = self.products[product]
+        if name in entry["whole"]:
+            return entry["whole"][name]
+        return entry["table"][entry["columns"].index(name)]
+
+    def columns(self, product: Product) -> list[str]:
+        """The names of `product`'s columns."""
+        entry = self.products[product]
+        return entry["columns"] + list(entry["whole"])
+
+    @staticmethod
+    def _tabulate(entry: dict, names: list[str]) -> None:
+        """Move columns kept whole into the stacked table, side by side in `names`' order."""
+        values = torch.stack([entry["whole"].pop(name) for name in names])
+        table = entry["table"]
+        entry["table"] = torch.cat([table, values]) if len(table) else values.contiguous()
+        entry["columns"] += names
 
     def add_out(self, i0: int, stats: dict[str, torch.Tensor]) -> None:
         """Store per-query-tile statistics of tiles i0 .. i0 + n, each (B, Hkv, G, n)."""
@@ -358,8 +402,7 @@ class TraceCall:
     def _product_frame(self, product: Product) -> pd.DataFrame:
         keep = self.done[product].expand(self.dims)  # (B, Hkv, G, nQ, nK)
         columns = {k: v[keep].numpy() for k, v in self._index(True).items()}
-        entry = self.products[product]
-        columns.update({k: entry["table"][c][keep].numpy() for c, k in enumerate(entry["columns"])})
+        columns.update({k: self.column(product, k)[keep].numpy() for k in self.columns(product)})
         frame = pd.DataFrame(columns)
         a_name, b_name = product.operand_names
         return frame.assign(

@@ -401,3 +401,24 @@ def test_masked_tiles_come_from_tile_bounds_not_a_seq_by_seq_mask(causal):
                            ~tiles.all((-2, -1)))
         i, j = torch.cartesian_prod(torch.arange(n_q), torch.arange(n_k)).unbind(1)
         assert torch.equal(_tile_masks(i, j, sq, sk, bm, bn, causal), tiles[i, j])
+
+
+def test_tables_cross_to_the_host_in_one_buffer():
+    """`_host_all`'s packing: tables of several dtypes and odd sizes side by side in one byte
+    buffer come back bit for bit, in their own dtypes and shapes (NaN and -inf included)."""
+    from fp4lab.kernels.trace import _host_all
+
+    g = torch.Generator().manual_seed(3)
+    tables = {
+        "f32": torch.randn(3, 5, 7, generator=g),  # 105 floats: 420 bytes, padded to 424
+        "f64": torch.randn(2, 3, generator=g, dtype=torch.float64),
+        "strided": torch.randn(4, 6, generator=g)[:, ::2],
+        "odd": torch.tensor([float("nan"), -float("inf"), 1e-45]),
+        "count": torch.arange(5, dtype=torch.int32),
+    }
+    back = _host_all(tables, pack=True)
+    assert list(back) == list(tables)
+    for name, t in tables.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape
+        assert torch.equal(back[name].view(-1).view(torch.uint8),
+                           t.contiguous().view(-1).view(torch.uint8)), name

@@ -1,9 +1,9 @@
-"""`TraceCall.add`: the stored table is the same whichever way a block reaches it.
+"""`TraceCall.add`: the stored columns are the same whichever way a block reaches them.
 
-A block on the host of at least `_APART` entries a column is copied column by column (with
-broadcast columns never materialized); a smaller one, or one on another device, is stacked
-first. Both must store the same float64 numbers at the same places, NaN where nothing was
-written."""
+A host block covering every tile with new columns is kept as given (a private, compact copy);
+other blocks go into a stacked table, column by column for a host block of at least `_APART`
+entries a column, stacked first otherwise. Every way must store the same float64 numbers at
+the same places, NaN where nothing was written."""
 
 import math
 
@@ -25,30 +25,47 @@ def _columns(dims, generator):
     return {"a_err": full, "a_flushed": rows, "b_err": cols}
 
 
+def _bases(stats):
+    """The tensors the columns are views of."""
+    return [value._base if value._base is not None else value for value in stats.values()]
+
+
 @pytest.mark.parametrize("dims", [(1, 2, 1, 3, 5), (2, 4, 2, 16, 16)])
-def test_whole_block_stored_exactly(dims):
-    """A block covering every tile, small (stacked) or large (column by column)."""
+def test_whole_block_kept_compact_and_private(dims):
+    """A block covering every tile: each column as given, broadcast columns kept at the size
+    of their distinct values, and a copy: the caller's tensors changing afterwards does not
+    change the trace."""
     generator = torch.Generator().manual_seed(0)
     stats = _columns(dims, generator)
-    per_column = math.prod(dims) >= trace_module._APART
-    assert per_column == (dims[-1] == 16)  # the two shapes take the two paths
+    want = {name: value.double().clone() for name, value in stats.items()}
     call = Trace().begin("r", dims, {})
-    visible = torch.ones(dims[3:], dtype=torch.bool)
-    call.add(Product.QK, 0, 0, stats, visible)
-    entry = call.products[Product.QK]
-    assert entry["columns"] == list(stats)
-    for c, name in enumerate(entry["columns"]):
-        assert entry["table"][c].dtype == torch.float64
-        assert torch.equal(entry["table"][c], stats[name].double())
+    call.add(Product.QK, 0, 0, stats, torch.ones(dims[3:], dtype=torch.bool))
+    assert call.columns(Product.QK) == list(stats)
+    for base in _bases(stats):
+        base.add_(1.0)  # the caller reuses its buffers
+    for name in stats:
+        got = call.column(Product.QK, name)
+        assert got.dtype == torch.float64 and got.shape == dims
+        assert torch.equal(got, want[name])
+    B, Hk, G, nQ, nK = dims
+    assert call.column(Product.QK, "a_flushed").untyped_storage().nbytes() == 8 * B * Hk * G * nQ
+    assert call.column(Product.QK, "b_err").untyped_storage().nbytes() == 8 * B * Hk * nK
     frame = call.to_frame()
     assert len(frame) == math.prod(dims)
     assert frame["a_flushed"].notna().all()
+    rows = frame.set_index(["batch", "head", "q_tile", "k_tile"]).sort_index()
+    b, h, i, j = 1 % B, G * Hk - 1, nQ - 1, nK - 2  # one tile, read back through the frame
+    assert rows.loc[(b, h, i, j), "b_err"] == want["b_err"][b, h // G, h % G, i, j].item()
 
 
-def test_partial_blocks_leave_nan_where_unwritten():
+@pytest.mark.parametrize("device_like", ["host", "stacked"])
+def test_partial_blocks_leave_nan_where_unwritten(device_like, monkeypatch):
     """Blocks of query tiles written one after another, a new column added by a later block:
-    every entry is the block's value where written and NaN where not."""
-    dims = (1, 2, 2, 32, 32)  # 4096 entries a column: the per-column path for whole blocks
+    every entry is the block's value where written and NaN where not. "stacked" takes the
+    stacking path for every block (as a block on the GPU does)."""
+    if device_like == "stacked":
+        monkeypatch.setattr(trace_module, "_APART", 1 << 62)
+    dims = (1, 2, 2, 32, 32)  # 4096 entries a column: the per-column path on the host
     generator = torch.Generator().manual_seed(1)
     call = Trace().begin("r", dims, {})
     top = {name: value[..., :16, :] for name, value in _columns(dims, generator).items()}
@@ -58,21 +75,40 @@ def test_partial_blocks_leave_nan_where_unwritten():
     call.add(Product.PV, 16, 0, bottom, visible)
     lost = torch.rand(1, 2, 2, 16, 32, generator=generator)
     call.add(Product.PV, 16, 0, {"p_mass_lost": lost}, visible)  # a column new to the table
-    entry = call.products[Product.PV]
-    table = dict(zip(entry["columns"], entry["table"], strict=True))
     for name in top:
-        assert torch.equal(table[name][..., :16, :], top[name].double())
-        assert torch.equal(table[name][..., 16:, :], bottom[name].double())
-    assert torch.isnan(table["p_mass_lost"][..., :16, :]).all()
-    assert torch.equal(table["p_mass_lost"][..., 16:, :], lost.double())
+        column = call.column(Product.PV, name)
+        assert torch.equal(column[..., :16, :], top[name].double())
+        assert torch.equal(column[..., 16:, :], bottom[name].double())
+    lost_column = call.column(Product.PV, "p_mass_lost")
+    assert torch.isnan(lost_column[..., :16, :]).all()
+    assert torch.equal(lost_column[..., 16:, :], lost.double())
     assert call.done[Product.PV].all()
 
 
+def test_a_whole_column_written_again_joins_the_table():
+    """A column kept whole, then overwritten in part by a later block: the later block's
+    values there, the first block's elsewhere."""
+    dims = (1, 2, 1, 8, 8)
+    generator = torch.Generator().manual_seed(2)
+    call = Trace().begin("r", dims, {})
+    first = _columns(dims, generator)
+    call.add(Product.DV, 0, 0, first, torch.ones(8, 8, dtype=torch.bool))
+    patch = {name: torch.randn(1, 2, 1, 4, 8, generator=generator) for name in first}
+    call.add(Product.DV, 4, 0, patch, torch.ones(4, 8, dtype=torch.bool))
+    for name in first:
+        column = call.column(Product.DV, name)
+        assert torch.equal(column[..., :4, :], first[name][..., :4, :].double())
+        assert torch.equal(column[..., 4:, :], patch[name].double())
+    assert call.products[Product.DV]["whole"] == {}
+
+
 def test_columns_not_stored_together_are_refused():
+    """In the stacked table a block's columns lie side by side, as its first block wrote
+    them; a later block naming them apart is refused."""
     dims = (1, 1, 1, 2, 2)
     call = Trace().begin("r", dims, {})
-    visible = torch.ones(2, 2, dtype=torch.bool)
-    ones = torch.ones(dims)
+    visible = torch.ones(1, 2, dtype=torch.bool)
+    ones = torch.ones(1, 1, 1, 1, 2)
     call.add(Product.QK, 0, 0, {"a_err": ones, "b_err": ones, "prod_err": ones}, visible)
     with pytest.raises(ValueError, match="not stored together"):
         call.add(Product.QK, 0, 0, {"a_err": ones, "prod_err": ones}, visible)
