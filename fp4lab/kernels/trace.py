@@ -142,26 +142,27 @@ def record_forward(
             (side(q_src, mean), side(q_hat.values, mean)), (side(kf, kf), side(k_hat.values, kf)),
             cfg["scale"], cfg, G,
         )  # fmt: skip
+    stats = bufs.stats.double()  # (B, H, nQ, nK, N)
+    st = {name: heads(stats[..., i]) for i, name in enumerate(FORWARD_STATS)}
     host = _host_all({  # every per-tile table the columns need, in one copy
-        "stats": bufs.stats, "lost": _mass_lost(bufs.lost, lse2, bm), "sums": bufs.out,
+        **_named("p", _operand_columns(st, cfg["mode"])), "p_mass_lost": _mass_lost(bufs.lost,
+        lse2, bm), "qk_nan": st["qk_nan"], "pv_nan": st["pv_nan"], "sums": bufs.out,
         "qk_err": qk_err, **_named("q", qs), **_named("k", ks), **_named("v", vs),
         **_named("out", _out_errors(o, lse2, *exact, bm)),
     })  # fmt: skip
-    stats = host["stats"].double()  # (B, H, nQ, nK, N)
-    st = {name: heads(stats[..., i]) for i, name in enumerate(FORWARD_STATS)}
-    like = st["nonzero"]  # (B, Hkv, G, nQ, nK)
+    like = host["qk_nan"]  # (B, Hkv, G, nQ, nK)
     q_cols = {n: c[..., None].expand_as(like) for n, c in _unnamed("q", host).items()}
     k_cols = {n: c[:, :, None, None].expand_as(like) for n, c in _unnamed("k", host).items()}
     v_cols = {n: c[:, :, None, None].expand_as(like) for n, c in _unnamed("v", host).items()}
     visible = _visible(nQ, nK, Sq, bm, bn, cfg["causal"])
     qk = {**prefix(q_cols, "a"), **prefix(k_cols, "b"), "prod_err": host["qk_err"],
-          "prod_nan": st["qk_nan"]}  # fmt: skip
+          "prod_nan": like}  # fmt: skip
     rec.add(Product.QK, 0, 0, qk, visible)
     pv = {
-        **prefix(_operand_columns(st, cfg["mode"]), "a"),
+        **prefix(_unnamed("p", host), "a"),
         **prefix(v_cols, "b"),
-        "p_mass_lost": heads(host["lost"]),
-        "prod_nan": st["pv_nan"],
+        "p_mass_lost": heads(host["p_mass_lost"]),
+        "prod_nan": host["pv_nan"],
     }
     rec.add(Product.PV, 0, 0, pv, visible)
     sums = host["sums"].double()  # (B, H, nQ, 2)
@@ -195,24 +196,27 @@ def record_backward(
     whole = _backward_operands(recipe, inputs, G, bm, bn, smoothed)
     (do, do_hat), (v, v_hat) = whole["do_dp"].pop("operands"), whole["v_dp"].pop("operands")
     dp_err = _product_errors((do, do_hat), (v, v_hat), 1.0, cfg, G)
+    keys = {Product.DV: "dv", Product.DQ: "dq", Product.DK: "dk"}
+    products = {}  # each product's own columns, (B, Hkv, G, nQ, nK)
+    for product, key in keys.items():
+        kernel = bufs[key].double()
+        st = {name: heads(kernel[..., i]) for i, name in enumerate(BACKWARD_STATS)}
+        products[key] = prefix(_operand_columns(st, modes[key]), "a")
+        if product is Product.DV:  # P is normalized: the flushed mass is in final units
+            products[key]["p_mass_lost"] = st["lost"] / heads(rows)[..., None]
     host = _host_all({  # every per-tile table the columns need, in one copy
-        "rows": rows, "dp_err": dp_err, **{key: bufs[key] for key in ("dv", "dq", "dk")},
+        "dp_err": dp_err, **{k: c for key, cols in products.items()
+                             for k, c in _named(key, cols).items()},
         **{k: c for name, cols in whole.items() for k, c in _named(name, cols).items()},
     })  # fmt: skip
-    kernel = {key: host[key].double() for key in ("dv", "dq", "dk")}
-    like = heads(kernel["dv"][..., 0])
+    like = host["dp_err"]
     side = lambda name: {  # noqa: E731  an operand's tile columns, broadcast to (..., nQ, nK)
         n: (c[..., None] if name in ("do_dv", "do_dp", "q_dk")
             else c[:, :, None, None]).expand_as(like)
         for n, c in _unnamed(name, host).items()
     }  # fmt: skip
-    for product, key, b_name in (
-        (Product.DV, "dv", "do_dv"), (Product.DQ, "dq", "k_dq"), (Product.DK, "dk", "q_dk"),
-    ):  # fmt: skip
-        st = {name: heads(kernel[key][..., i]) for i, name in enumerate(BACKWARD_STATS)}
-        cols = {**prefix(_operand_columns(st, modes[key]), "a"), **prefix(side(b_name), "b")}
-        if product is Product.DV:  # P is normalized: the flushed mass is in final units
-            cols["p_mass_lost"] = st["lost"] / heads(host["rows"])[..., None]
+    for (product, key), b_name in zip(keys.items(), ("do_dv", "k_dq", "q_dk"), strict=True):
+        cols = {**_unnamed(key, host), **prefix(side(b_name), "b")}
         rec.add(product, 0, 0, cols, visible)
     rec.add(Product.DP, 0, 0, {**prefix(side("do_dp"), "a"), **prefix(side("v_dp"), "b"),
                                "prod_err": host["dp_err"]}, visible)  # fmt: skip
