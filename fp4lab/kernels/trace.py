@@ -22,15 +22,15 @@ Where each column comes from.
   boundary by construction, so ``a_clipped`` may differ by that one element), sums agree up
   to the order of their fp32 additions (exp2 of log2-unit scores against exp).
 - The whole-tensor operands' columns (Q, K, V in qk and pv; dO, V, K, Q in dv, dp, dq, dk):
-  on the host, from the unquantized operands and `fp4lab.formats`' quantizer (which the
-  kernels' fused quantizer equals bit for bit) with `fp4lab.recipes.tile_stats`, the
-  simulation's own functions: one pass over each operand. With smooth_q, Q's are those of
-  Q - M, the operand quantized, as the simulation's.
-- ``out_err``, ``lse_err``: on the host, against exact attention computed by the same forward
+  in torch beside the kernels (on their device), from the unquantized operands and
+  `fp4lab.formats`' quantizer (which the kernels' fused quantizer equals bit for bit) with
+  `fp4lab.recipes.tile_stats`, the simulation's own functions: one pass over each operand.
+  With smooth_q, Q's are those of Q - M, the operand quantized, as the simulation's.
+- ``out_err``, ``lse_err``: in torch, against exact attention computed by the same forward
   kernel on the unquantized inputs (a second forward launch). Its P V multiplies P in 16 bits
   (two bf16 halves) on a GPU, so O_ref carries a relative ~1e-5 (the simulation's float32
   reference ~1e-7): far below any FP8 or FP4 error. ``out_nan``: from the fp32 output.
-- ``prod_err`` of qk and dp, whose operands are whole tensors: on the host as the simulation
+- ``prod_err`` of qk and dp, whose operands are whole tensors: in torch as the simulation
   computes it, from the tiles' float64 Gram matrices (`fp4lab.recipes.tile_stats.gram_errors`,
   O(S E^2) work) where a tile has nothing masked, and from both products in float32 over the
   allowed entries of the masked tiles (the causal band, ragged last tiles). With smooth_q,
@@ -47,7 +47,13 @@ Memory. The buffers are small (n_q x n_k x 11 floats per head and product) excep
 forward's flushed mass, which is per query row (Sq x n_k floats per head, block_n times
 smaller than the scores): a row's mass counts in units of its final softmax denominator,
 known only after its last key tile, so the kernel keeps log2(mass) + m per (row, key tile) and
-the host divides at the end. (The backward's P is normalized already: a sum per tile.)
+torch divides at the end. (The backward's P is normalized already: a sum per tile.)
+
+Where the work runs. Everything above runs on the kernels' device, asynchronously; the
+per-tile tables the columns need (tiles' numbers: a whole-tensor operand's columns per tile
+of its own side, not broadcast over the other's) then cross to the host in one packed copy
+(`_host_all`), the call's only wait for the GPU, and `TraceCall.add` keeps each column as
+it arrives, broadcast columns unexpanded.
 """
 
 from __future__ import annotations
