@@ -46,7 +46,7 @@ RANGES = (
     ("fp4lab.kernels.trace", "_out_errors"),
     ("fp4lab.kernels.trace", "_mass_lost"),
     ("fp4lab.kernels.trace", "_operand_columns"),
-    ("fp4lab.kernels.trace", "_host"),
+    ("fp4lab.kernels.trace", "_host_all"),
     ("fp4lab.recipes.trace", "TraceCall.add"),
 )
 

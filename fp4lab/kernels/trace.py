@@ -404,7 +404,10 @@ def _host_all(tables: dict[str, torch.Tensor], pack: bool = False) -> dict[str, 
     device = devices[0] if devices else torch.device("cpu")
     parts, spans, start = [], {}, 0
     for name, t in tables.items():
-        raw = t.contiguous().reshape(-1).view(torch.uint8).to(device)
+        line = t.reshape(-1)
+        if line.stride(0) != 1:  # a strided slice of one element counts as contiguous
+            line = torch.empty_like(line, memory_format=torch.contiguous_format).copy_(line)
+        raw = line.view(torch.uint8).to(device)
         pad = -raw.numel() % 8
         parts.append(raw if not pad else torch.cat((raw, raw.new_zeros(pad))))
         spans[name] = (start, raw.numel())

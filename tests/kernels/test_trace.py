@@ -415,10 +415,33 @@ def test_tables_cross_to_the_host_in_one_buffer():
         "strided": torch.randn(4, 6, generator=g)[:, ::2],
         "odd": torch.tensor([float("nan"), -float("inf"), 1e-45]),
         "count": torch.arange(5, dtype=torch.int32),
+        # one element of a strided table: contiguous to torch, yet stride 11 when flattened
+        "single": torch.randn(1, 1, 1, 1, 11, generator=g, dtype=torch.float64)[..., 3],
     }
     back = _host_all(tables, pack=True)
+
+    def bits(x):
+        return torch.empty(x.numel(), dtype=x.dtype).copy_(x.reshape(-1)).view(torch.uint8)
+
     assert list(back) == list(tables)
     for name, t in tables.items():
         assert back[name].dtype == t.dtype and back[name].shape == t.shape
-        assert torch.equal(back[name].view(-1).view(torch.uint8),
-                           t.contiguous().view(-1).view(torch.uint8)), name
+        assert torch.equal(bits(back[name]), bits(t)), name
+
+
+def test_the_profiled_trace_steps_exist():
+    """`benchmarks/profile_gpu.py` wraps the trace's steps by name: each must resolve (a
+    renamed function would otherwise fail only on the GPU machine), and be put back."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_gpu.py"
+    spec = importlib.util.spec_from_file_location("profile_gpu", path)
+    profile_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_gpu)
+    import fp4lab.kernels.trace as kernel_trace
+
+    before = kernel_trace.record_forward
+    with profile_gpu.ranges():
+        assert kernel_trace.record_forward is not before
+    assert kernel_trace.record_forward is before
