@@ -386,7 +386,7 @@ def _fixed_scale(blocks, amax, spec: QuantSpec):
     rounded; exact for a power of two)."""
     d = spec.fixed_scale
     scales = torch.full(amax.shape, d, dtype=torch.float32, device=amax.device)
-    return scales, blocks / torch.tensor(d, dtype=blocks.dtype, device=blocks.device)
+    return scales, blocks / _device_scalar(d, blocks)
 
 
 def _alpha_scale(blocks, amax, spec: QuantSpec):
@@ -420,10 +420,18 @@ def _alpha_exponent(a: torch.Tensor, rule: ScaleRule, fmt: FloatFormat) -> torch
     return torch.clamp(e + up.to(torch.int64), lo, hi)
 
 
+def _device_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """value as a 0-dim tensor of like's dtype on like's device, rounded as `torch.tensor`
+    rounds it (past the dtype's range: infinity): rounded on the host, then filled in on
+    the device, where copying it from the host would wait for the GPU's queue."""
+    rounded = float(torch.tensor(value, dtype=like.dtype))
+    return torch.full((), rounded, dtype=like.dtype, device=like.device)
+
+
 def _true_div(a: torch.Tensor, b: float) -> torch.Tensor:
     """a / b correctly rounded on every device: CUDA turns division by a CPU scalar into
-    multiplication by its reciprocal, which can differ in the last bit."""
-    return a / torch.tensor(b, dtype=a.dtype, device=a.device)
+    multiplication by its reciprocal, which can differ in the last bit (`_device_scalar`)."""
+    return a / _device_scalar(b, a)
 
 
 def _tensor_scales(amax: torch.Tensor, spec: QuantSpec, batch_dims: int):
@@ -432,7 +440,7 @@ def _tensor_scales(amax: torch.Tensor, spec: QuantSpec, batch_dims: int):
     one = torch.ones((), dtype=torch.float32)
     if not spec.tensor_scale:
         return None, one
-    big = torch.tensor(spec.scale.max * spec.element.max, dtype=torch.float32, device=amax.device)
+    big = _device_scalar(spec.scale.max * spec.element.max, amax)
     tensor_amax = _amax_beyond(amax, batch_dims)
     if spec.arithmetic is ScaleArithmetic.TE_ENCODE:
         encode = torch.clamp(big / tensor_amax, max=_FLT_MAX)
