@@ -389,19 +389,22 @@ def _tiles(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-2], -1, rows, x.shape[-1])
 
 
-def _host_all(tables: dict[str, torch.Tensor], pack: bool = False) -> dict[str, torch.Tensor]:
+def _host_all(tables: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-tile tables (small: tiles, not elements) on the host, where `TraceCall` keeps its
-    columns, in one device-to-host copy: their bytes side by side in one buffer (each
-    padded to 8 bytes), copied once, cut apart and viewed as their own dtypes and shapes.
-    They cross before the columns derived from them (elementwise float64, the same bits on
-    either device) and before their broadcast over the other side's tiles, so that a call
-    waits for the GPU once and moves tiles' numbers, not tile pairs'. Tables already all on
-    the host are returned as they are, unless `pack` (the packing tested on the CPU)."""
+    columns, in one device-to-host copy (`_packed`). They cross before the columns derived
+    from them (elementwise float64, the same bits on either device) and before their
+    broadcast over the other side's tiles, so that a call waits for the GPU once and moves
+    tiles' numbers, not tile pairs'. Tables already all on the host are returned as they
+    are."""
     tables = {name: t.detach() for name, t in tables.items()}
     devices = [t.device for t in tables.values() if t.device.type != "cpu"]
-    if not devices and not pack:
-        return tables
-    device = devices[0] if devices else torch.device("cpu")
+    return _packed(tables, devices[0]) if devices else tables
+
+
+def _packed(tables: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """`tables` on the host through one copy: their bytes side by side in one buffer on
+    `device` (each padded to 8 bytes), copied once, cut apart and viewed as their own dtypes
+    and shapes."""
     parts, spans, start = [], {}, 0
     for name, t in tables.items():
         line = t.reshape(-1)

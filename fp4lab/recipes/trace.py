@@ -367,7 +367,7 @@ class TraceCall:
         """Move columns kept whole into the stacked table, side by side in `names`' order."""
         values = torch.stack([entry["whole"].pop(name) for name in names])
         table = entry["table"]
-        entry["table"] = torch.cat([table, values]) if len(table) else values.contiguous()
+        entry["table"] = torch.cat([table, values]) if len(table) else values
         entry["columns"] += names
 
     def add_out(self, i0: int, stats: dict[str, torch.Tensor]) -> None:

@@ -404,9 +404,10 @@ def test_masked_tiles_come_from_tile_bounds_not_a_seq_by_seq_mask(causal):
 
 
 def test_tables_cross_to_the_host_in_one_buffer():
-    """`_host_all`'s packing: tables of several dtypes and odd sizes side by side in one byte
-    buffer come back bit for bit, in their own dtypes and shapes (NaN and -inf included)."""
-    from fp4lab.kernels.trace import _host_all
+    """`_host_all`'s packing (`_packed`): tables of several dtypes and odd sizes side by side
+    in one byte buffer come back bit for bit, in their own dtypes and shapes (NaN and -inf
+    included)."""
+    from fp4lab.kernels.trace import _packed
 
     g = torch.Generator().manual_seed(3)
     tables = {
@@ -418,7 +419,7 @@ def test_tables_cross_to_the_host_in_one_buffer():
         # one element of a strided table: contiguous to torch, yet stride 11 when flattened
         "single": torch.randn(1, 1, 1, 1, 11, generator=g, dtype=torch.float64)[..., 3],
     }
-    back = _host_all(tables, pack=True)
+    back = _packed(tables, torch.device("cpu"))
 
     def bits(x):
         return torch.empty(x.numel(), dtype=x.dtype).copy_(x.reshape(-1)).view(torch.uint8)
