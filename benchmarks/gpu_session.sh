@@ -12,7 +12,8 @@
 #   eden       tests/kernels/test_flash_eden.py the same way (its rotated backward compiles
 #              for minutes)
 #   bwdtests   tests/kernels/test_flash_bwd.py and test_flash_sr.py the same way
-#   qtests     tests/kernels/test_quantize.py and test_random.py the same way (the quantizers)
+#   qtests     tests/kernels/test_quantize.py, test_random.py and
+#              tests/formats/test_quantize_devices.py the same way (the quantizers)
 #   forward    the forward bench (kernel alone and the whole call), warmed in 8 shards first
 #   backward   forward plus backward, warmed likewise
 #   trace      the traced forward, warmed likewise
@@ -77,7 +78,8 @@ for stage in "${STAGES[@]}"; do
     tests) pytests tests tests/kernels/test_flash.py tests/kernels/test_trace.py ;;
     eden) pytests eden tests/kernels/test_flash_eden.py ;;
     bwdtests) pytests bwdtests tests/kernels/test_flash_bwd.py tests/kernels/test_flash_sr.py ;;
-    qtests) pytests qtests tests/kernels/test_quantize.py tests/kernels/test_random.py ;;
+    qtests) pytests qtests tests/kernels/test_quantize.py tests/kernels/test_random.py \
+              tests/formats/test_quantize_devices.py ;;
     forward) warm $FWD; log "forward warm"
              timeout $(left) $BENCH $FWD --out "$O" > "$O/forward.log" 2>&1; log "forward rc $?" ;;
     backward) warm $BWD; log "backward warm"

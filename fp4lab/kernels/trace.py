@@ -404,7 +404,10 @@ def _host_all(tables: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _packed(tables: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """`tables` on the host through one copy: their bytes side by side in one buffer on
     `device` (each padded to 8 bytes), copied once, cut apart and viewed as their own dtypes
-    and shapes."""
+    and shapes. From CUDA the copy lands in page-locked memory (torch's caching host
+    allocator keeps the buffer for the next call): a pageable copy of the same bytes is
+    staged through the driver's bounce buffer and took 3.8 ms a traced call on the H200
+    (session 25)."""
     parts, spans, start = [], {}, 0
     for name, t in tables.items():
         line = t.reshape(-1)
@@ -415,7 +418,11 @@ def _packed(tables: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
         parts.append(raw if not pad else torch.cat((raw, raw.new_zeros(pad))))
         spans[name] = (start, raw.numel())
         start += raw.numel() + pad
-    flat = torch.cat(parts).cpu()
+    flat = torch.cat(parts)
+    if flat.device.type == "cuda":
+        flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
+    else:
+        flat = flat.cpu()
     return {
         name: flat[a : a + n].view(t.dtype).reshape(t.shape)
         for (name, t), (a, n) in zip(tables.items(), spans.values(), strict=True)
