@@ -17,10 +17,10 @@ arithmetic has one answer whatever order or fusion a compiler picks, so the comp
 gives the eager words. Two cautions keep it so: each 32 x 32-bit product is taken as two
 products with a 16-bit half of the multiplier (each below 2^48), since an int64 product
 that overflows is undefined behaviour in the C++ inductor writes; and the rounding toward
-zero is integer arithmetic (the shift that drops the bits below the 24 leading ones), since
-inductor compiles with fast-math flags that may rewrite float operations. The only float
-operations left are a conversion of an integer of at most 24 significant bits to float32 and
-the scaling by 2^-32, both exact.
+zero is done on bits (a float64's low mantissa bits cleared by an integer and), since
+inductor compiles with fast-math flags that may rewrite float arithmetic. The only float
+operations left are conversions (a 32-bit integer to float64, a float64 of 24 significant
+bits to float32) and the scaling by 2^-32, all exact.
 
 When. CPU counters on a grid (`_grid`): c0 varying at most along the leading dims and the
 last, c1 along the leading dims and the second-to-last, c2 and c3 along the leading dims
@@ -56,6 +56,7 @@ MIN_COUNTERS = 1 << 16
 """The fewest counters (a quarter of the uniforms) a draw takes the compiled path with."""
 
 _WORD_MASK = 0xFFFFFFFF
+_BELOW_24_BITS = ~((1 << 29) - 1)  # float64's 29 low mantissa bits, which float32 lacks
 _ROUNDS = 10
 _state = {"kernel": None, "failed": os.environ.get("FP4LAB_FUSED_PHILOX", "1") == "0"}
 
@@ -167,9 +168,11 @@ def _mul_hi_lo(c: torch.Tensor, m: int):
 
 
 def _toward_zero_24(w: torch.Tensor) -> torch.Tensor:
-    """A uint32 word rounded toward zero to its 24 leading bits, as a float32 (exact): the
-    bits below them, s = max(0, bit length - 24), shifted out and back."""
-    s = torch.zeros_like(w)
-    for e in range(24, 32):
-        s = s + (w >= 1 << e).to(torch.int64)
-    return ((w >> s) << s).to(torch.float32)
+    """A uint32 word rounded toward zero to its 24 leading bits, as a float32 (exact): written
+    into a float64 (exact: 32 bits), whose 29 low mantissa bits, those float32 lacks, are
+    cleared on its bits (an integer and), then narrowed to float32 (exact: 24 significant
+    bits at most). The eager path's steps (`fp4lab.formats.streams`); no float arithmetic,
+    so the fast-math flags change nothing. Twice as fast as finding the bit length by eight
+    comparisons (1.7 against 3.4 ms for 2^20 uniforms on two cores, session 26)."""
+    bits = w.to(torch.float64).view(torch.int64) & _BELOW_24_BITS
+    return bits.view(torch.float64).to(torch.float32)
