@@ -15,6 +15,7 @@
 #   qtests     tests/kernels/test_quantize.py, test_random.py and
 #              tests/formats/test_quantize_devices.py the same way (the quantizers)
 #   forward    the forward bench (kernel alone and the whole call), warmed in 8 shards first
+#              (FWD_RECIPES overrides its recipes)
 #   backward   forward plus backward, warmed likewise
 #   trace      the traced forward, warmed likewise
 #   nohw       the FP8 recipes' forward again with FP4LAB_HW_E4M3=0 (the hardware cast's own
@@ -68,7 +69,7 @@ pytests() {  # $1: log name, then the test files
   fi
 }
 nvidia-smi --query-gpu=name,clocks.max.sm,temperature.gpu --format=csv > "$O/gpu.txt" 2>&1
-FWD="--recipes exact flash_bf16 nvfp4 mxfp4 fa4fp4_causal fa3_fp8 --configs 64x64:4:3 128x128:8:3"
+FWD="--recipes ${FWD_RECIPES:-exact flash_bf16 nvfp4 mxfp4 fa4fp4_causal fa3_fp8} --configs 64x64:4:3 128x128:8:3"
 # the backward's warm-up of four recipes at four configurations took 459 s (2026-12-02); the
 # default launch (64 x 64, 4 warps, 3 stages) of the recipes whose backward was never timed
 BWD="--no-kernels --backward --backward-recipes fa4fp4_causal nvfp4 fa3_fp8 attn_qat exact --backward-configs 64x64:4:3"

@@ -482,6 +482,18 @@ def check_p(spec, lift: float, *, field: str = "p") -> None:
 
 
 @triton.jit
+def _query_tile(CAUSAL: tl.constexpr):
+    """The query tile of this program (axis 0 of a (query tiles, batch x heads) grid). Causal,
+    the last tile first: its row sees every key tile before it, so the programs launched first
+    are the longest and the short ones fill the last wave's gaps (the GPU starts programs in
+    grid order, axis 0 fastest); FlashAttention-3's causal scheduler orders its tiles so too
+    (`hopper/tile_scheduler.hpp`). Nothing a program computes depends on the order."""
+    if CAUSAL:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    return tl.program_id(0)
+
+
+@triton.jit
 def _div(a, b):
     """a / b correctly rounded, for a scalar or tensor a and a tensor b."""
     return tl.div_rn(tl.zeros_like(b) + a, b)
@@ -1259,7 +1271,7 @@ def _attn_fwd(
     TRACE: Stats (B H, n_q, n_k, N_STATS) takes each tile's `FORWARD_STATS`, Lost
     (B, H, Sq, n_k) each row's flushed mass per key tile (log2, against its row reference),
     OutStats (B H, n_q, 2) the query tile's sum of l^ / l - 1 over its rows and their count."""
-    start_m = tl.program_id(0)
+    start_m = _query_tile(CAUSAL)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     hk = h // G

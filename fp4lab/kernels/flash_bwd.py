@@ -134,6 +134,7 @@ from fp4lab.kernels.flash import (
     _put,
     _put_counts,
     _quantize_p,
+    _query_tile,
     _round,
     _row_scales,
     _scale_bounds,
@@ -1029,7 +1030,7 @@ def _attn_bwd_dq(
     SMOOTH_Q: the scores add smooth_q's mean scores MS (B, H, n_q, Sk). TILE_SCOPE: the
     factors per tile, (B, H, n_q) on the query side (this query tile's read once), (B, Hkv,
     n_k) on the key side (read per key tile in `_dq_inner`)."""
-    start_m = tl.program_id(0)
+    start_m = _query_tile(CAUSAL)  # causal: the longest first, as the forward's
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     bhk = b * (H // G) + h // G
