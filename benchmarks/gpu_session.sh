@@ -24,7 +24,8 @@
 #   resources  registers, spills, shared memory of the forward kernels
 #   scale      the 131072-token traced forward plus backward (warmed at 4096 tokens first)
 #   profile    torch.profiler over the reference's exact forward and the whole fp4lab.attention
-#              call, traced and not (benchmarks/profile_gpu.py), into profile/
+#              call, traced and not (benchmarks/profile_gpu.py), into profile/ (PROFILE_CASES
+#              overrides its cases)
 #   reference  the reference's exact forward on CUDA beside SDPA (issue 9's 20x goal)
 #   launch     the NVFP4 forward kernel alone over tiles and compilation variants
 #              (benchmarks/bench_fwd_launch.py; LAUNCH_RECIPES, LAUNCH_CONFIGS, LAUNCH_VARIANTS
@@ -101,7 +102,8 @@ for stage in "${STAGES[@]}"; do
            timeout $(left) $BENCH --no-kernels --scale --out "$O" > "$O/scale.log" 2>&1
            log "scale rc $?" ;;
     profile) timeout $(left) python3 benchmarks/profile_gpu.py --out "$O/profile" \
-               --cases reference reference_causal traced untraced > "$O/profile.log" 2>&1
+               --cases ${PROFILE_CASES:-reference reference_causal traced untraced} \
+               > "$O/profile.log" 2>&1
              log "profile rc $?" ;;
     reference) timeout $(left) $BENCH --no-kernels --reference --out "$O" > "$O/reference.log" 2>&1
                log "reference rc $?" ;;
