@@ -7,7 +7,8 @@ Writes, per case, the operators sorted by their total device time (`<case>.txt`,
 profiler's own table) and the same as JSON rows (`profile_gpu.json`: name, calls, device and
 host microseconds), with the case's wall time per call (CUDA-synchronised, median of 5), and
 the Python functions of 20 calls under cProfile sorted by their own time
-(`<case>.host.txt`): where a call's host time goes when it exceeds the GPU's. Under the
+(`<case>.host.txt`): where a call's host time goes when it exceeds the GPU's; and the host's
+time per call without cProfile (20 calls launched back to back, the GPU not waited for). Under the
 profiler the trace's own steps (`RANGES`: the kernels' trace conversion, the operands'
 reference quantization and statistics, the product errors, `TraceCall.add`) are wrapped in
 `record_function` ranges, so that `<case>.ranges.txt` gives each step's device and host time
@@ -169,6 +170,12 @@ def main() -> None:
             ),
             key=lambda r: -r["self_device_us"],
         )  # fmt: skip
+        torch.cuda.synchronize()  # the host's own time: 20 calls launched back to back
+        start = time.perf_counter()
+        for _ in range(20):
+            fn()
+        host_plain_ms = (time.perf_counter() - start) * 1e3 / 20
+        torch.cuda.synchronize()
         host = cProfile.Profile()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -183,10 +190,11 @@ def main() -> None:
         pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(args.top)
         with open(os.path.join(args.out, f"{name}.host.txt"), "w") as f:
             f.write(f"{what}\nhost {host_ms:.3f} ms per call under cProfile (20 calls, "
-                    f"launch only)\n\n{text.getvalue()}")
+                    f"launch only); {host_plain_ms:.3f} ms without it\n\n{text.getvalue()}")
         result["cases"][name] = dict(what=what, wall_ms=ms, host_ms_cprofile=host_ms,
-                                     ops=rows[: args.top * 2])
-        print(f"{name}: {what}: {ms:.3f} ms, host {host_ms:.3f} ms under cProfile", flush=True)
+                                     host_ms=host_plain_ms, ops=rows[: args.top * 2])
+        print(f"{name}: {what}: {ms:.3f} ms, host {host_plain_ms:.3f} ms ({host_ms:.3f} ms "
+              "under cProfile)", flush=True)
         with open(os.path.join(args.out, "profile_gpu.json"), "w") as f:
             json.dump(result, f, indent=1)
 

@@ -85,6 +85,9 @@ from fp4lab.recipes.tile_stats import (
 
 __all__ = ["record_forward", "record_backward", "check_trace", "NOT_COMPUTED"]
 
+PINNED_MAX = 64 << 20
+"""The largest packed trace tables (bytes) that cross to the host through page-locked memory."""
+
 NOT_COMPUTED = (
     "pv.prod_err", "dv.prod_err", "dv.prod_nan", "dv.p_fwd_mismatch", "dp.prod_nan",
     "dq.prod_err", "dq.prod_nan", "dk.prod_err", "dk.prod_nan",
@@ -405,9 +408,11 @@ def _packed(tables: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
     """`tables` on the host through one copy: their bytes side by side in one buffer on
     `device` (each padded to 8 bytes), copied once, cut apart and viewed as their own dtypes
     and shapes. From CUDA the copy lands in page-locked memory (torch's caching host
-    allocator keeps the buffer for the next call): a pageable copy of the same bytes is
-    staged through the driver's bounce buffer and took 3.8 ms a traced call on the H200
-    (session 25)."""
+    allocator keeps the buffer for the next call) where the tables are at most `PINNED_MAX`
+    bytes: a pageable copy of the same bytes is staged through the driver's bounce buffer,
+    3.8 ms for B4 H16 S4096's 5 MB against 0.12 ms pinned (H200, sessions 25 and 26). Larger
+    tables (a 131072-token call's run to a gigabyte) are copied pageable, so that a long call
+    does not leave that much page-locked memory cached in the process."""
     parts, spans, start = [], {}, 0
     for name, t in tables.items():
         line = t.reshape(-1)
@@ -419,7 +424,7 @@ def _packed(tables: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
         spans[name] = (start, raw.numel())
         start += raw.numel() + pad
     flat = torch.cat(parts)
-    if flat.device.type == "cuda":
+    if flat.device.type == "cuda" and flat.numel() <= PINNED_MAX:
         flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
     else:
         flat = flat.cpu()

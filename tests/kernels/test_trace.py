@@ -403,23 +403,34 @@ def test_masked_tiles_come_from_tile_bounds_not_a_seq_by_seq_mask(causal):
         assert torch.equal(_tile_masks(i, j, sq, sk, bm, bn, causal), tiles[i, j])
 
 
-def test_tables_cross_to_the_host_in_one_buffer():
+@pytest.mark.parametrize("where", ["cpu", "cuda-pinned", "cuda-pageable"])
+def test_tables_cross_to_the_host_in_one_buffer(where, monkeypatch):
     """`_host_all`'s packing (`_packed`): tables of several dtypes and odd sizes side by side
     in one byte buffer come back bit for bit, in their own dtypes and shapes (NaN and -inf
-    included)."""
-    from fp4lab.kernels.trace import _packed
+    included); from CUDA through page-locked memory, or pageable above `PINNED_MAX`."""
+    from fp4lab.kernels import trace as kernel_trace
 
+    if where != "cpu" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if where == "cuda-pageable":
+        monkeypatch.setattr(kernel_trace, "PINNED_MAX", 0)
+    device = torch.device("cpu" if where == "cpu" else "cuda")
     g = torch.Generator().manual_seed(3)
+    on = lambda t: t.to(device)  # noqa: E731  (slices are taken on the device)
     tables = {
-        "f32": torch.randn(3, 5, 7, generator=g),  # 105 floats: 420 bytes, padded to 424
-        "f64": torch.randn(2, 3, generator=g, dtype=torch.float64),
-        "strided": torch.randn(4, 6, generator=g)[:, ::2],
-        "odd": torch.tensor([float("nan"), -float("inf"), 1e-45]),
-        "count": torch.arange(5, dtype=torch.int32),
+        "f32": on(torch.randn(3, 5, 7, generator=g)),  # 105 floats: 420 bytes, padded to 424
+        "f64": on(torch.randn(2, 3, generator=g, dtype=torch.float64)),
+        "strided": on(torch.randn(4, 6, generator=g))[:, ::2],
+        "odd": on(torch.tensor([float("nan"), -float("inf"), 1e-45])),
+        "count": on(torch.arange(5, dtype=torch.int32)),
         # one element of a strided table: contiguous to torch, yet stride 11 when flattened
-        "single": torch.randn(1, 1, 1, 1, 11, generator=g, dtype=torch.float64)[..., 3],
+        "single": on(torch.randn(1, 1, 1, 1, 11, generator=g, dtype=torch.float64))[..., 3],
     }
-    back = _packed(tables, torch.device("cpu"))
+    back = kernel_trace._packed(tables, device)
+    tables = {name: t.cpu() for name, t in tables.items()}
+    assert all(t.device.type == "cpu" for t in back.values())
+    if where == "cuda-pinned":
+        assert all(t.is_pinned() for t in back.values())
 
     def bits(x):
         return torch.empty(x.numel(), dtype=x.dtype).copy_(x.reshape(-1)).view(torch.uint8)
