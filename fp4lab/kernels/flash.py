@@ -3,7 +3,8 @@
 What. `attention(q, k, v, recipe)` runs the forward of the simulation path
 (`fp4lab.analysis.flash`) as one fused kernel on the GPU: each program owns one query tile of
 one (batch, head) and walks the key/value tiles it can see (first to last, or last to first
-as the recipe's `kv_order` says), keeping the online softmax's m_i, l_i and acc in registers.
+as the recipe's `kv_order` says), keeping the online softmax's m_i, l_i and acc in registers;
+causal, the programs launched first take the last query tiles, the longest (`_query_tile`).
 Q, K and V arrive already quantized as the recipe says (by `fp4lab.formats.fake_quantize`,
 whole tensors, as the simulation quantizes them); P is quantized inside the kernel, tile by
 tile, along the keys, with the recipe's `p` format and lift. With smooth_q (SageAttention3),
