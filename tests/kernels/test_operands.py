@@ -262,3 +262,16 @@ def test_key_major_refuses_what_it_cannot_copy():
         key_major(torch.zeros(4, 4, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous: False"):
         key_major(torch.zeros(4, 4, dtype=torch.int8, device=DEVICE).t())
+
+
+@pytest.mark.parametrize("b, h, groups", [(2, 8, 1), (2, 8, 4), (1, 6, 3), (3, 4, 4)])
+def test_per_group_factors_repeat_for_their_heads(b, h, groups):
+    """`_per_head`: a per-(batch, KV head) scale as one value per (batch, query head), query
+    head = KV head * groups + g, as repeat_interleave would lay it out, contiguous (the
+    kernels read the factors as a flat (B, H) table); a single scale broadcast."""
+    scale = torch.randn(b, h // groups, generator=torch.Generator().manual_seed(b + h))
+    out = backend._per_head(scale, b, h, groups)
+    assert out.shape == (b, h) and out.is_contiguous()
+    assert torch.equal(out, scale.repeat_interleave(groups, dim=1))
+    one = backend._per_head(torch.tensor([2.5]), b, h, groups)
+    assert one.shape == (b, h) and bool((one == 2.5).all())
