@@ -102,13 +102,17 @@ def bench(fn, **kwargs) -> float:
 
 
 def kernel_call(recipe, q, k, v, causal, block_m, block_n, warps, stages, traced=False):
-    """A closure running the kernel on operands prepared once, as the backend prepares them;
+    """A closure running the kernel on operands prepared once, as the backend prepares them
+    (`backend.prepare_forward`: smooth_q's mean scores included);
     `traced`: compiled with TRACE, writing its statistics into buffers allocated once."""
-    qs, ks, vs, factors = backend.prepare(q, k, v, recipe, block_m, block_n)
+    scale = 1 / math.sqrt(q.shape[-1])
+    ops = backend.prepare_forward(q, k, v, recipe, block_m, block_n, scale)
+    qs, ks, vs, factors = ops["q"], ops["k"], ops["v"], ops["factors"]
     pq = backend.p_quantizer(recipe)
     options = dict(
-        causal=causal, scale=1 / math.sqrt(q.shape[-1]), block_m=block_m, block_n=block_n,
-        num_warps=warps, num_stages=stages, **backend.forward_options(recipe, causal, v),
+        causal=causal, scale=scale, block_m=block_m, block_n=block_n, num_warps=warps,
+        num_stages=stages, mean_scores=ops["mean_scores"],
+        **backend.forward_options(recipe, causal, v),
     )  # fmt: skip
     if traced:
         b, h, s = q.shape[:3]

@@ -619,17 +619,32 @@ def prepare(q, k, v, recipe: AttentionRecipe, block_m: int, block_n: int):
     """(q, k, v, factors) as the kernel reads them with tiles of `block_m` queries and
     `block_n` keys: Q and K rotated (`incoherent`) and K smoothed as the recipe says, each
     operand quantized (`_operand`), V key-major E4M3 where P V runs on the FP8 tensor cores.
-    Not for smooth_q, whose Q and scores depend on block_m (`smooth_q`, `mean_scores`)."""
+    Not for smooth_q, whose kernel also takes the mean scores: `prepare_forward`."""
     if recipe.smooth_q:
         raise NotImplementedError(
-            f"recipe {recipe.name!r}: prepare does not split Q for smooth_q; use attention"
+            f"recipe {recipe.name!r}: with smooth_q the kernel also takes the mean scores; "
+            "use prepare_forward"
         )
-    tiles = (block_m, block_n)
+    ops = prepare_forward(q, k, v, recipe, block_m, block_n)
+    return ops["q"], ops["k"], ops["v"], ops["factors"]
+
+
+def prepare_forward(
+    q, k, v, recipe: AttentionRecipe, block_m: int, block_n: int, scale: float | None = None
+) -> dict:
+    """The forward kernel's operands as `attention` hands them to it, for timing and testing
+    the kernel alone: q, k, v and factors as `prepare` gives them and "mean_scores", smooth_q's
+    correction of the scores (`smooth_q`'s Q - M is the Q quantized, `mean_scores` of its
+    means against the smoothed K, at `scale`, default 1/sqrt(head_dim)), None without it."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k = incoherent(q, k, recipe)
-    qs, ks, vs, factors = quantize_operands(q, smooth_k(k, recipe), v, recipe, tiles=tiles)
+    k = smooth_k(k, recipe)
+    q_src, q_mean = smooth_q(q, recipe, block_m)
+    qs, ks, vs, factors = quantize_operands(q_src, k, v, recipe, tiles=(block_m, block_n))
     if _fp8_pv(recipe, block_n):
         vs = _key_major_fp8(vs)
-    return qs, ks, vs, factors
+    shift = None if q_mean is None else mean_scores(q_mean, k, scale)
+    return dict(q=qs, k=ks, v=vs, factors=factors, mean_scores=shift)
 
 
 def incoherent(q, k, recipe: AttentionRecipe):

@@ -254,6 +254,29 @@ def test_tile_scope_takes_each_tiles_tensor_scale(causal, sq, sk):
         assert rel(out, want) > 10 * BUDGET, f"{name}: one factor per head passes"
 
 
+@pytest.mark.parametrize("recipe", ["sageattn3", "nvfp4", "fa4fp4_causal"])
+def test_the_kernel_alone_on_prepared_operands_is_the_whole_call(recipe):
+    # `backend.prepare_forward` hands the forward kernel what the whole call does (smooth_q's
+    # Q - M and mean scores for sageattn3, K smoothed, V key-major E4M3 where P V runs in FP8),
+    # so the kernel alone (the benchmarks' rows) gives the whole call's output bit for bit;
+    # `prepare` refuses smooth_q, whose mean scores it does not return
+    r = resolve_recipe(recipe)
+    q, k, v = inputs(1, 4, 2, 80, 96, 32, seed=5)
+    tiles = dict(block_m=32, block_n=32)
+    ops = triton_backend.prepare_forward(q, k, v, r, **tiles)
+    assert (ops["mean_scores"] is not None) == r.smooth_q
+    got = flash.attention_forward(
+        ops["q"], ops["k"], ops["v"], ops["factors"], triton_backend.p_quantizer(r),
+        mean_scores=ops["mean_scores"], causal=True, scale=32**-0.5, **tiles,
+        **triton_backend.forward_options(r, True, v),
+    )[0].to(q.dtype)  # fmt: skip
+    want = fp4lab.attention(q, k, v, r, backend="triton", causal=True, **tiles)
+    assert torch.equal(got, want)
+    if r.smooth_q:
+        with pytest.raises(NotImplementedError, match="prepare_forward"):
+            triton_backend.prepare(q, k, v, r, **tiles)
+
+
 @pytest.mark.parametrize("recipe", ["nvfp4", "croissattn"])
 def test_tile_scope_on_other_recipes(recipe):
     # tensor_scope is a recipe field of its own: NVFP4 with Transformer Engine's arithmetic
