@@ -488,7 +488,9 @@ def _query_tile(CAUSAL: tl.constexpr):
     the last tile first: its row sees every key tile before it, so the programs launched first
     are the longest and the short ones fill the last wave's gaps (the GPU starts programs in
     grid order, axis 0 fastest); FlashAttention-3's causal scheduler orders its tiles so too
-    (`hopper/tile_scheduler.hpp`). Nothing a program computes depends on the order."""
+    (`hopper/tile_scheduler.hpp`). Nothing a program computes depends on the order. At B4
+    H16 S4096 on the H200 (2048 programs) it moved no kernel's time (RESULTS.md, session
+    26); it is there for grids of few waves."""
     if CAUSAL:
         return tl.num_programs(0) - 1 - tl.program_id(0)
     return tl.program_id(0)
