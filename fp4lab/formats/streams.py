@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4lab.formats.fused_philox import fused_uniforms
+from fp4lab.formats.fused_philox import BELOW_24_BITS, fused_uniforms
 from fp4lab.formats.philox import philox4x32, split_key
 from fp4lab.formats.rounding import as_generator
 
@@ -38,7 +38,6 @@ __all__ = ["as_generators", "pass_key", "stream_key", "stream_keys", "uniforms",
 
 _MASK64 = (1 << 64) - 1
 _TWO_TO_MINUS_32 = 2.0**-32
-_BELOW_24_BITS = ~((1 << 29) - 1)  # clears float64's 29 low mantissa bits, which float32 lacks
 _FLOAT64_TWO_TO_52_BITS = 0x4330000000000000  # the bits of the float64 2^52
 
 
@@ -115,7 +114,7 @@ def _keyed(k0, k1, batch, head, row, column, dtype=torch.float64) -> torch.Tenso
         )
     u = stacked.to(torch.float64)
     if dtype == torch.float32:  # words below 2^53: the float64 conversion is exact
-        u.view(torch.int64).bitwise_and_(_BELOW_24_BITS)  # toward zero, to 24 leading bits
+        u.view(torch.int64).bitwise_and_(BELOW_24_BITS)  # toward zero, to 24 leading bits
         return u.to(torch.float32).mul_(_TWO_TO_MINUS_32)  # both exact
     return u.mul_(_TWO_TO_MINUS_32)
 
@@ -131,7 +130,7 @@ def _float32_side_by_side(words) -> torch.Tensor:
     out = torch.empty(*words[0].shape, 4, dtype=torch.float32, device=words[0].device)
     for i, w in enumerate(words):
         d = w.bitwise_or_(_FLOAT64_TWO_TO_52_BITS).view(torch.float64).sub_(2.0**52)
-        d.view(torch.int64).bitwise_and_(_BELOW_24_BITS)
+        d.view(torch.int64).bitwise_and_(BELOW_24_BITS)
         out[..., i].copy_(d)
     return out.flatten(-2).mul_(_TWO_TO_MINUS_32)
 

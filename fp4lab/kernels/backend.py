@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -638,13 +639,24 @@ def prepare_forward(
     means against the smoothed K, at `scale`, default 1/sqrt(head_dim)), None without it."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k = incoherent(q, k, recipe)
-    k = smooth_k(k, recipe)
-    q_src, q_mean = smooth_q(q, recipe, block_m)
-    qs, ks, vs, factors = quantize_operands(q_src, k, v, recipe, tiles=(block_m, block_n))
-    if _fp8_pv(recipe, block_n):
-        vs = _key_major_fp8(vs)
-    shift = None if q_mean is None else mean_scores(q_mean, k, scale)
-    return dict(q=qs, k=ks, v=vs, factors=factors, mean_scores=shift)
+    ops = _forward_operands(q, smooth_k(k, recipe), v, recipe, block_m, block_n, scale)
+    return dict(q=ops.q, k=ops.k, v=ops.v_kernel, factors=ops.factors,
+                mean_scores=ops.mean_scores)  # fmt: skip
+
+
+def _forward_operands(q, k, v, recipe, block_m: int, block_n: int, scale: float, key=None):
+    """The forward's operands from Q and K already rotated and K smoothed (the steps
+    `attention` runs outside the autograd Function): smooth_q's split of Q (`q_src`, its
+    means `q_mean`, the kernel's `mean_scores`), the quantized operands and factors
+    (`quantize_operands`, stochastic formats under the pass key `key`), and `v_kernel`, V^
+    as the kernel reads it (key-major E4M3 where P V runs on the FP8 tensor cores)."""
+    q_src, q_mean = smooth_q(q, recipe, block_m)  # Q - M quantized, M K^T added in fp32
+    qs, ks, vs, factors = quantize_operands(q_src, k, v, recipe, key, (block_m, block_n))
+    return SimpleNamespace(
+        q=qs, k=ks, v=vs, factors=factors, q_src=q_src, q_mean=q_mean,
+        mean_scores=None if q_mean is None else mean_scores(q_mean, k, scale),
+        v_kernel=_key_major_fp8(vs) if _fp8_pv(recipe, block_n) else vs,
+    )  # fmt: skip
 
 
 def incoherent(q, k, recipe: AttentionRecipe):
@@ -928,10 +940,9 @@ class _TritonAttention(torch.autograd.Function):
         from fp4lab.kernels.flash import TraceBuffers, attention_forward
 
         fwd_key = pass_key(generator) if recipe.stochastic else None  # as the simulation's
-        q_src, q_mean = smooth_q(q, recipe, block_m)  # Q - M quantized, M K^T added in fp32
-        qs, ks, vs, factors = quantize_operands(q_src, k, v, recipe, fwd_key, (block_m, block_n))
-        shift = None if q_mean is None else mean_scores(q_mean, k, scale)
-        vs_kernel = _key_major_fp8(vs) if _fp8_pv(recipe, block_n) else vs
+        ops = _forward_operands(q, k, v, recipe, block_m, block_n, scale, fwd_key)
+        qs, ks, vs, factors = ops.q, ops.k, ops.v, ops.factors
+        q_src, q_mean, shift, vs_kernel = ops.q_src, ops.q_mean, ops.mean_scores, ops.v_kernel
         grads = any(ctx.needs_input_grad[:3])
         o_prime = m_ref = None  # Attn-QAT's O', for D; the row references, for the replay
         if grads and recipe.delta is DeltaSource.UNQUANTIZED_P_OUTPUT:

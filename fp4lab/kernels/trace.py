@@ -416,8 +416,8 @@ def _packed(tables: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
     parts, spans, start = [], {}, 0
     for name, t in tables.items():
         line = t.reshape(-1)
-        if line.stride(0) != 1:  # a strided slice of one element counts as contiguous
-            line = torch.empty_like(line, memory_format=torch.contiguous_format).copy_(line)
+        if line.stride(0) != 1:  # strided, or one element of a strided table ("contiguous")
+            line = line.clone(memory_format=torch.contiguous_format)
         raw = line.view(torch.uint8).to(device)
         pad = -raw.numel() % 8
         parts.append(raw if not pad else torch.cat((raw, raw.new_zeros(pad))))
