@@ -129,7 +129,7 @@ def compile_only(arch: int = 90):
 
     records: list[dict] = []
     saved_run, saved_device = JITFunction.run, quantize._kernel_device
-    saved_planned = quantize._run_planned
+    saved_direct = os.environ.get("FP4LAB_DIRECT_LAUNCH")
     saved_driver = triton.runtime.driver._active
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -154,12 +154,16 @@ def compile_only(arch: int = 90):
     triton.runtime.driver.set_active(_CompileOnlyDriver(arch))
     JITFunction.run = run
     quantize._kernel_device = lambda x: True
-    quantize._run_planned = quantize._run  # through triton.jit: no cached direct launch
+    os.environ["FP4LAB_DIRECT_LAUNCH"] = "0"  # every launch through triton.jit, never the
+    # compiled kernel called directly (`fp4lab.kernels.launch`), which cannot launch here
     try:
         yield records
     finally:
         JITFunction.run, quantize._kernel_device = saved_run, saved_device
-        quantize._run_planned = saved_planned
+        if saved_direct is None:
+            os.environ.pop("FP4LAB_DIRECT_LAUNCH", None)
+        else:
+            os.environ["FP4LAB_DIRECT_LAUNCH"] = saved_direct
         triton.runtime.driver._active = saved_driver
 
 

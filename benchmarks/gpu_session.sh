@@ -10,7 +10,7 @@
 #              a random test's seed included, survives), then the failures alone with
 #              --tb=long (a test that draws fresh inputs draws new ones there)
 #   eden       tests/kernels/test_flash_eden.py the same way (its rotated backward compiles
-#              for minutes)
+#              for minutes; EDEN_TESTS names the tests to run instead of the whole file)
 #   bwdtests   tests/kernels/test_flash_bwd.py and test_flash_sr.py the same way
 #   qtests     tests/kernels/test_quantize.py, test_random.py and
 #              tests/formats/test_quantize_devices.py the same way (the quantizers)
@@ -78,7 +78,7 @@ for stage in "${STAGES[@]}"; do
   [ "$(left)" -lt 40 ] && { log "no time for $stage"; continue; }
   case $stage in
     tests) pytests tests tests/kernels/test_flash.py tests/kernels/test_trace.py ;;
-    eden) pytests eden tests/kernels/test_flash_eden.py ;;
+    eden) pytests eden ${EDEN_TESTS:-tests/kernels/test_flash_eden.py} ;;
     bwdtests) pytests bwdtests tests/kernels/test_flash_bwd.py tests/kernels/test_flash_sr.py ;;
     qtests) pytests qtests tests/kernels/test_quantize.py tests/kernels/test_random.py \
               tests/formats/test_quantize_devices.py ;;

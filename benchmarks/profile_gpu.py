@@ -8,7 +8,10 @@ profiler's own table) and the same as JSON rows (`profile_gpu.json`: name, calls
 host microseconds), with the case's wall time per call (CUDA-synchronised, median of 5), and
 the Python functions of 20 calls under cProfile sorted by their own time
 (`<case>.host.txt`): where a call's host time goes when it exceeds the GPU's; and the host's
-time per call without cProfile (20 calls launched back to back, the GPU not waited for). Under the
+time per call without cProfile (20 calls launched back to back, the GPU not waited for), with
+the compiled kernels called directly (`fp4lab.kernels.launch`) and again with every launch
+through `triton.jit` (FP4LAB_DIRECT_LAUNCH=0). Cases `fq_nvfp4` and `fq_mxfp4` are the fused
+`fake_quantize` of the quantizers' bandwidth goal (bf16 8192 x 8192). Under the
 profiler the trace's own steps (`RANGES`: the kernels' trace conversion, the operands'
 reference quantization and statistics, the product errors, `TraceCall.add`) are wrapped in
 `record_function` ranges, so that `<case>.ranges.txt` gives each step's device and host time
@@ -83,8 +86,11 @@ def _inputs(b, h, s, d, seed):
 
 def cases() -> dict:
     """name -> (description, a closure of one call)."""
+    from fp4lab.kernels.quantize import fake_quantize
+
     small = _inputs(1, 16, 4096, 128, 2)
     big = _inputs(4, 16, 4096, 128, 6)
+    square = _inputs(1, 1, 8192, 8192, 7)[0][0, 0]
     return {
         "reference": (
             "simulation path, exact forward, B1 H16 S4096 D128, non-causal",
@@ -114,6 +120,16 @@ def cases() -> dict:
             "fp4lab.attention(backend='triton'), fa3_fp8, B4 H16 S4096 D128, causal",
             lambda: fp4lab.attention(*big, "fa3_fp8", backend="triton", causal=True),
         ),
+        # the quantizers' goal (80% of the bandwidth bound, bench_quantize_gpu.py): two
+        # launches and their allocations a call against 0.1 ms of device time
+        "fq_nvfp4": (
+            "fp4lab.kernels.quantize.fake_quantize(x, 'nvfp4'), bf16 8192 x 8192",
+            lambda: fake_quantize(square, "nvfp4"),
+        ),
+        "fq_mxfp4": (
+            "fp4lab.kernels.quantize.fake_quantize(x, 'mxfp4'), bf16 8192 x 8192",
+            lambda: fake_quantize(square, "mxfp4"),
+        ),
     }
 
 
@@ -126,6 +142,17 @@ def wall_ms(fn, repeats: int = 5) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def host_ms_plain(fn, calls: int = 20) -> float:
+    """The host's time per call of `calls` calls launched back to back (not waited for)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - start) * 1e3 / calls
+    torch.cuda.synchronize()
+    return ms
 
 
 def main() -> None:
@@ -170,12 +197,11 @@ def main() -> None:
             ),
             key=lambda r: -r["self_device_us"],
         )  # fmt: skip
-        torch.cuda.synchronize()  # the host's own time: 20 calls launched back to back
-        start = time.perf_counter()
-        for _ in range(20):
-            fn()
-        host_plain_ms = (time.perf_counter() - start) * 1e3 / 20
-        torch.cuda.synchronize()
+        host_plain_ms = host_ms_plain(fn)  # the host's own time: 20 calls back to back
+        os.environ["FP4LAB_DIRECT_LAUNCH"] = "0"  # every launch through triton.jit
+        fn()
+        host_jit_ms = host_ms_plain(fn)
+        os.environ["FP4LAB_DIRECT_LAUNCH"] = "1"
         host = cProfile.Profile()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -190,11 +216,14 @@ def main() -> None:
         pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(args.top)
         with open(os.path.join(args.out, f"{name}.host.txt"), "w") as f:
             f.write(f"{what}\nhost {host_ms:.3f} ms per call under cProfile (20 calls, "
-                    f"launch only); {host_plain_ms:.3f} ms without it\n\n{text.getvalue()}")
+                    f"launch only); {host_plain_ms:.3f} ms without it ({host_jit_ms:.3f} ms with "
+                    f"every launch through triton.jit)\n\n{text.getvalue()}")
         result["cases"][name] = dict(what=what, wall_ms=ms, host_ms_cprofile=host_ms,
-                                     host_ms=host_plain_ms, ops=rows[: args.top * 2])
+                                     host_ms=host_plain_ms, host_ms_jit=host_jit_ms,
+                                     ops=rows[: args.top * 2])
         print(f"{name}: {what}: {ms:.3f} ms, host {host_plain_ms:.3f} ms ({host_ms:.3f} ms "
-              "under cProfile)", flush=True)
+              f"under cProfile, {host_jit_ms:.3f} ms with every launch through triton.jit)",
+              flush=True)
         with open(os.path.join(args.out, "profile_gpu.json"), "w") as f:
             json.dump(result, f, indent=1)
 

@@ -106,7 +106,8 @@ from fp4lab.formats import (
     ScaleRule,
 )
 from fp4lab.formats.philox import split_key
-from fp4lab.kernels.quantize import _bfloat16_round
+from fp4lab.kernels.launch import launch
+from fp4lab.kernels.quantize import _bfloat16_round, _interpreting
 from fp4lab.kernels.random import tile_words
 from fp4lab.recipes.tile_stats import SLACK
 
@@ -1588,6 +1589,7 @@ def _stream_words(SRKeys, b, sr_batch, j, M: tl.constexpr):
 
 # -- the launcher ----------------------------------------------------------------------------------
 _STAGES: dict = {}  # (kernel, its constants) -> the pipeline depth that fits in shared memory
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")  # launch options, not parameters
 
 
 def launch_fitting(kernel, grid: tuple, args: tuple, constants: dict) -> None:
@@ -1599,9 +1601,14 @@ def launch_fitting(kernel, grid: tuple, args: tuple, constants: dict) -> None:
     tiles."""
     key = (kernel.fn.__name__, tuple(sorted(constants.items())))
     stages = _STAGES.get(key, constants["num_stages"])
+    options = {name: constants[name] for name in _OPTIONS if name in constants}
+    params = {name: value for name, value in constants.items() if name not in _OPTIONS}
     while True:
         try:
-            kernel[grid](*args, **{**constants, "num_stages": stages})
+            if _interpreting():
+                kernel[grid](*args, **{**constants, "num_stages": stages})
+            else:  # the compiled kernel called directly after the first launch
+                launch(kernel, grid, args, params, {**options, "num_stages": stages})
         except triton.runtime.errors.OutOfResources as error:
             if stages == 1:
                 raise ValueError(

@@ -88,6 +88,7 @@ from fp4lab.formats.quantize import (
 )
 from fp4lab.formats.rounding import Rounding, round_to_format
 from fp4lab.formats.spec import Correction, QuantSpec, ScaleArithmetic, ScaleRule
+from fp4lab.kernels.launch import launch
 from fp4lab.kernels.random import philox4x32, uniform53
 
 __all__ = [
@@ -1188,31 +1189,16 @@ def _run(kernel, grid: tuple, args: tuple, num_warps: int, constants: dict) -> N
         kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **constants)
 
 
-_COMPILED: dict = {}  # (constants' id, kernel, warps, alignments) -> (constants, kernel, values)
-
-
 def _run_planned(kernel, grid: tuple, args: tuple, num_warps: int, constants: dict) -> None:
     """`_run` for a plan's launch, whose constants and runtime ints stay fixed with the plan:
-    the first launch of a specialization goes through `triton.jit` (which compiles it), later
-    ones call the compiled kernel directly, skipping the binder's work on ~80 arguments. What
-    Triton specializes on beyond the plan, the tensors' 16-byte alignment and device, is in
-    the key."""
+    after the first launch of a specialization the compiled kernel is called directly
+    (`fp4lab.kernels.launch`, its constants keyed by identity), skipping the binder's work
+    on ~80 arguments."""
     if _interpreting():
         _run(kernel, grid, args, num_warps, constants)
         return
-    tensors = tuple((a.data_ptr() % 16 == 0, a.device.index) for a in args
-                    if isinstance(a, torch.Tensor))
-    key = (id(constants), kernel, num_warps, tensors)
-    entry = _COMPILED.get(key)
-    if entry is None or entry[0] is not constants:
-        if len(_COMPILED) > 4096:
-            _COMPILED.clear()
-        compiled = kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **constants)
-        values = tuple(constants[name] for name in kernel.arg_names[len(args):])
-        _COMPILED[key] = (constants, compiled, values)
-    else:
-        _, compiled, values = entry
-        compiled[grid](*args, *values)
+    launch(kernel, grid, args, constants, dict(num_warps=num_warps, enable_fp_fusion=False),
+           fixed=True)
 
 
 def _signed_word(word: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -574,9 +575,10 @@ class AttentionRecipe:
         product = parse_enum(Product, product, "product")
         return tuple(getattr(self, f) for f in product.fields)
 
-    @property
+    @functools.cached_property
     def stochastic(self) -> bool:
-        """Whether any operand uses stochastic rounding (then attention needs a generator)."""
+        """Whether any operand uses stochastic rounding (then attention needs a generator);
+        computed once per recipe (the fields are frozen), since every call asks."""
         return any(
             isinstance(s, QuantSpec) and s.stochastic
             for s in (getattr(self, f) for f in OPERAND_FIELDS)

@@ -44,12 +44,13 @@ def test_compile_only_puts_back_what_it_replaced():
 
     from fp4lab.kernels import quantize
 
-    before = (JITFunction.run, quantize._kernel_device, quantize._run_planned,
+    before = (JITFunction.run, quantize._kernel_device, os.environ.get("FP4LAB_DIRECT_LAUNCH"),
               triton.runtime.driver._active)  # fmt: skip
     with compile_offline.compile_only(90) as records:
         assert records == []
         assert triton.runtime.driver.active.get_current_target().arch == 90
         assert JITFunction.run is not before[0]
-    after = (JITFunction.run, quantize._kernel_device, quantize._run_planned,
+        assert os.environ["FP4LAB_DIRECT_LAUNCH"] == "0"  # no compiled kernel called directly
+    after = (JITFunction.run, quantize._kernel_device, os.environ.get("FP4LAB_DIRECT_LAUNCH"),
              triton.runtime.driver._active)  # fmt: skip
     assert after == before

@@ -1,0 +1,97 @@
+"""Launching a Triton kernel again without binding its arguments anew.
+
+What. `launch(kernel, grid, args, constants)` runs ``kernel[grid](*args, **constants)``: the
+first time a call signature is seen, through `triton.jit` (which compiles the kernel or
+finds it in its cache), and from then on by calling the compiled kernel it returned
+directly, with the same arguments.
+
+Why. Each ``kernel[grid](...)`` binds and specializes every parameter (the forward has about
+110, its constexprs included), computes the cache key and checks the kernel's globals
+before it launches: on the H200's host 150 us a forward launch under cProfile, against 50
+for the compiled kernel's own launcher (benchmarks/gpu-runs/2026-12-03-s26, call 2,
+`untraced_causal.host.txt`). The whole untraced call is bound by its host there
+(benchmarks/GPU_SESSION.md, section 2), so this is time a user waits for.
+
+How. The key holds everything Triton specializes a compiled kernel on, and more: the kernel;
+every constant (constexpr parameters and launch options such as num_warps) by value; every
+scalar argument by type and value, where Triton keys an int on whether it is 1, divisible
+by 16 and fits 32 bits (so this key is never coarser: it may hold more entries, never a
+wrong one); None arguments; each tensor's dtype, device index and whether its data pointer
+is 16-byte aligned (Triton's pointer specialization). The stream is the current one at each
+call, as `triton.jit` takes it. A caller whose plan fixes every scalar and constant says
+so (`fixed`): its constants are then keyed by identity (the quantizers' `_BlocksPlan`),
+which skips building the key by value.
+
+Where. On a GPU. Under Triton's interpreter every launch goes through the interpreted
+function (`fp4lab.kernels.quantize._run`). ``FP4LAB_DIRECT_LAUNCH=0`` (read at each call, so
+one process can time both) sends every launch through `triton.jit`, for A/B timing and for
+debugging a launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["launch", "direct"]
+
+_COMPILED: dict = {}  # key -> (compiled kernel, its constexpr values in order, fixed constants)
+_MAX_ENTRIES = 4096
+
+
+def direct() -> bool:
+    """Whether launches after the first go to the compiled kernel (not FP4LAB_DIRECT_LAUNCH=0)."""
+    return os.environ.get("FP4LAB_DIRECT_LAUNCH", "1") != "0"
+
+
+def launch(kernel, grid: tuple, args: tuple, constants: dict, options: dict,
+           fixed: bool = False):
+    """``kernel[grid](*args, **constants, **options)``, the compiled kernel called directly
+    where this signature ran before (module docstring). `args` fill the kernel's first
+    parameters in order; `constants` name the rest (those left out take their defaults);
+    `options` are the launch options (num_warps, num_stages, enable_fp_fusion). `fixed`: the
+    caller's plan fixes every scalar argument and constant with this `constants` object,
+    which is then keyed by identity. Returns the compiled kernel (None where `triton.jit`
+    launched nothing)."""
+    if not direct():
+        return kernel[grid](*args, **constants, **options)
+    opts = tuple(sorted(options.items()))
+    if fixed:
+        key = (kernel, _tensors(args), id(constants), opts)
+    else:
+        key = (kernel, _signature(args), tuple(sorted(constants.items())), opts)
+    entry = _COMPILED.get(key)
+    if entry is not None and (not fixed or entry[2] is constants):
+        compiled, values, _ = entry
+        compiled[grid](*args, *values)
+        return compiled
+    compiled = kernel[grid](*args, **constants, **options)
+    if compiled is not None:
+        if len(_COMPILED) >= _MAX_ENTRIES:
+            _COMPILED.clear()
+        rest = kernel.params[len(args):]
+        values = tuple(constants[p.name] if p.name in constants else p.default for p in rest)
+        _COMPILED[key] = (compiled, values, constants if fixed else None)
+    return compiled
+
+
+def _tensors(args: tuple) -> tuple:
+    """What Triton specializes a tensor argument on: dtype, device, 16-byte alignment."""
+    return tuple((a.dtype, a.device.index, a.data_ptr() % 16 == 0) for a in args
+                 if isinstance(a, torch.Tensor))
+
+
+def _signature(args: tuple) -> tuple:
+    """Each argument as Triton could specialize on it, or finer: a tensor as `_tensors`
+    describes it, a scalar (bool, int, float) by type and value, None as None."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.device.index, a.data_ptr() % 16 == 0))
+        elif a is None or isinstance(a, (bool, int, float)):
+            out.append((type(a), a))
+        else:
+            raise TypeError(f"launch: argument of type {type(a).__name__} is neither a tensor, "
+                            "a scalar nor None")
+    return tuple(out)
