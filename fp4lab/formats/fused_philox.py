@@ -14,13 +14,15 @@ through the ten rounds: one pass (the figures: benchmarks/RESULTS.md, session 24
 
 How. `torch.compile` (inductor's C++ backend) of plain torch integer arithmetic. Integer
 arithmetic has one answer whatever order or fusion a compiler picks, so the compiled code
-gives the eager words. Two cautions keep it so: each 32 x 32-bit product is taken as two
-products with a 16-bit half of the multiplier (each below 2^48), since an int64 product
-that overflows is undefined behaviour in the C++ inductor writes; and the rounding toward
-zero is done on bits (a float64's low mantissa bits cleared by an integer and), since
-inductor compiles with fast-math flags that may rewrite float arithmetic. The only float
-operations left are conversions (a 32-bit integer to float64, a float64 of 24 significant
-bits to float32) and the scaling by 2^-32, all exact.
+gives the eager words. Two cautions keep it so: no int64 operation may overflow, which is
+undefined behaviour in the C++ inductor writes, so each 32 x 32-bit product m c is taken as
+c m' with m' = m - 2^31 (below 2^63: both Philox multipliers exceed 2^31) and its c 2^31 part
+as shifts (`_mul_hi_lo`); and no float arithmetic may decide a bit, since inductor compiles
+with fast-math flags that may rewrite it, so the rounding toward zero to 24 bits clears the
+word's low bits as an integer (`_toward_zero_24`). The only float operations left are the
+conversion of an integer of at most 24 significant bits to float32 and the scaling by 2^-32,
+both exact. All of it vectorises (one multiply a product; no bit casts, which inductor
+writes as scalar loops).
 
 When. CPU counters on a grid (`_grid`): c0 varying at most along the leading dims and the
 last, c1 along the leading dims and the second-to-last, c2 and c3 along the leading dims
@@ -56,10 +58,6 @@ MIN_COUNTERS = 1 << 16
 """The fewest counters (a quarter of the uniforms) a draw takes the compiled path with."""
 
 _WORD_MASK = 0xFFFFFFFF
-BELOW_24_BITS = ~((1 << 29) - 1)
-"""A float64's bits with its 29 low mantissa bits cleared (those float32 lacks): the bits of a
-word's float64 and'ed with it, the word rounded toward zero to 24 leading bits (here and in
-`fp4lab.formats.streams`' eager path)."""
 _ROUNDS = 10
 _state = {"kernel": None, "failed": os.environ.get("FP4LAB_FUSED_PHILOX", "1") == "0"}
 
@@ -157,25 +155,26 @@ def _uniforms(c0, c1, c2, c3, k0, k1) -> torch.Tensor:
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0, k1 = (k0 + PHILOX_W32_0) & _WORD_MASK, (k1 + PHILOX_W32_1) & _WORD_MASK
     words = torch.broadcast_tensors(c0, c1, c2, c3)
-    u = torch.stack([_toward_zero_24(w) for w in words], dim=-1).flatten(-2)
-    return u * 2.0**-32
+    return torch.stack([_toward_zero_24(w) * 2.0**-32 for w in words], dim=-1).flatten(-2)
 
 
 def _mul_hi_lo(c: torch.Tensor, m: int):
-    """The high and low 32-bit words of m c for uint32 words c and m, with no int64 product
-    past 2^49: m c = a + b 2^16 with a = c (m mod 2^16) and b = c floor(m / 2^16)."""
-    a = c * (m & 0xFFFF)
-    b = c * (m >> 16)
-    t = a + ((b & 0xFFFF) << 16)  # m c less (b >> 16) 2^32, below 2^49
-    return ((t >> 32) + (b >> 16)) & _WORD_MASK, t & _WORD_MASK
+    """The high and low 32-bit words of m c for uint32 words c and m >= 2^31, with no int64
+    past 2^63: m c = t + c 2^31 with t = c (m - 2^31), so the high word is
+    floor((floor(t / 2) + c 2^30) / 2^31) and the low word is t's with bit 31 flipped where
+    c is odd (t xor c 2^31, masked)."""
+    t = c * (m - (1 << 31))
+    return ((t >> 1) + (c << 30)) >> 31, (t ^ (c << 31)) & _WORD_MASK
 
 
 def _toward_zero_24(w: torch.Tensor) -> torch.Tensor:
-    """A uint32 word rounded toward zero to its 24 leading bits, as a float32 (exact): written
-    into a float64 (exact: 32 bits), whose 29 low mantissa bits, those float32 lacks, are
-    cleared on its bits (an integer and), then narrowed to float32 (exact: 24 significant
-    bits at most). The eager path's steps (`fp4lab.formats.streams`); no float arithmetic,
-    so the fast-math flags change nothing. Twice as fast as finding the bit length by eight
-    comparisons (1.7 against 3.4 ms for 2^20 uniforms on two cores, session 26)."""
-    bits = w.to(torch.float64).view(torch.int64) & BELOW_24_BITS
-    return bits.view(torch.float64).to(torch.float32)
+    """A uint32 word rounded toward zero to its 24 leading bits, as a float32 (exact): the
+    word's bits below its 24 leading ones, max(0, bit length - 24) of them, are cleared by
+    a mask smeared down from w >> 24 (s | s >> 1, ... covers its 8 bits), then the integer
+    of at most 24 significant bits is converted, exactly. The eager path's values
+    (`fp4lab.formats.streams` clears the same bits of the word's float64)."""
+    s = w >> 24
+    s = s | (s >> 1)
+    s = s | (s >> 2)
+    s = s | (s >> 4)
+    return (w & ~s).to(torch.float32)

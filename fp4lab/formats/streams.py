@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4lab.formats.fused_philox import BELOW_24_BITS, fused_uniforms
+from fp4lab.formats.fused_philox import fused_uniforms
 from fp4lab.formats.philox import philox4x32, split_key
 from fp4lab.formats.rounding import as_generator
 
@@ -39,6 +39,9 @@ __all__ = ["as_generators", "pass_key", "stream_key", "stream_keys", "uniforms",
 _MASK64 = (1 << 64) - 1
 _TWO_TO_MINUS_32 = 2.0**-32
 _FLOAT64_TWO_TO_52_BITS = 0x4330000000000000  # the bits of the float64 2^52
+BELOW_24_BITS = ~((1 << 29) - 1)
+"""A float64's bits with its 29 low mantissa bits cleared (those float32 lacks): the bits of a
+word's float64 and'ed with it, the word rounded toward zero to 24 leading bits."""
 
 
 def as_generators(generator):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fp4lab.formats import fused_philox, streams
-from fp4lab.formats.philox import philox4x32, split_key
+from fp4lab.formats.philox import PHILOX_M4x32_0, PHILOX_M4x32_1, philox4x32, split_key
 
 MASK = 0xFFFFFFFF
 EDGE_WORDS = [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFF, 0x1000000, 0xFFFFFFFE, MASK]
@@ -73,6 +73,26 @@ def test_fused_equals_eager_on_attention_grids():
         fused_or_skip(*args)
         want = eager(*args)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), first_mismatch(got, want)
+
+
+@pytest.mark.parametrize("m", [PHILOX_M4x32_0, PHILOX_M4x32_1], ids=["m0", "m1"])
+def test_the_products_words_match_exact_integers(m):
+    # the compiled path's arithmetic, run eagerly: the high and low words of m c, and no
+    # intermediate at or past 2^63 (signed overflow), against Python's exact integers
+    rng = random.Random(m)
+    c = torch.tensor(EDGE_WORDS + [rng.getrandbits(32) for _ in range(4096)])
+    hi, lo = fused_philox._mul_hi_lo(c, m)
+    want = [v * m for v in c.tolist()]
+    assert hi.tolist() == [w >> 32 for w in want] and lo.tolist() == [w & MASK for w in want]
+    assert max(v * (m - (1 << 31)) for v in c.tolist()) < 1 << 63
+
+
+def test_rounding_toward_zero_to_24_bits_matches_exact_integers():
+    rng = random.Random(24)
+    w = torch.tensor(EDGE_WORDS + [(1 << k) + d for k in range(32) for d in (-1, 0, 1)][1:]
+                     + [rng.getrandbits(32) for _ in range(4096)])
+    cut = [v >> max(0, v.bit_length() - 24) << max(0, v.bit_length() - 24) for v in w.tolist()]
+    assert fused_philox._toward_zero_24(w).double().tolist() == [float(v) for v in cut]
 
 
 @pytest.mark.parametrize(
