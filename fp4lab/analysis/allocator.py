@@ -6,12 +6,14 @@ up to 32 MiB, is freed. A block's temporaries are a few MiB each and are freed a
 again every block, so with glibc's starting thresholds each one is mapped and faulted in
 anew, which costs as much as the arithmetic. `settle` allocates and frees one untouched
 30 MiB buffer, which raises the thresholds to 30 and 60 MiB, so the temporaries are recycled;
-`trim` hands what they left free back to the system at the end of a pass (the raised
-thresholds would otherwise keep it, and the next pass would start from it). Larger tensors
-(plain attention's dense seq x seq matrices) are served as before; elsewhere than glibc this
-is a harmless allocation. Only calls on the CPU with at least `LARGE_SCORES` score entries
-are handled; small calls (tests) leave malloc alone. This changes process-wide glibc state;
-there is no opt-out.
+`trim` hands what they left free back to the system at the end of a call: after the backward,
+or after a forward that no backward follows (the raised thresholds would otherwise keep it).
+Between a forward and its backward the free heap is kept, for the backward's temporaries to
+reuse (trimmed, they would be faulted in anew). Larger tensors (plain attention's dense
+seq x seq matrices) are served as before; elsewhere than glibc this is a harmless
+allocation. Only calls on the CPU with at least `LARGE_SCORES` score entries are handled;
+small calls (tests) leave malloc alone. This changes process-wide glibc state; there is no
+opt-out.
 """
 
 from __future__ import annotations
@@ -51,6 +53,6 @@ def settle(device: torch.device, scores: int) -> None:
 
 
 def trim(device: torch.device, scores: int) -> None:
-    """Return the heap memory a large CPU pass left free (glibc's malloc_trim)."""
+    """Return the heap memory a large CPU call left free (glibc's malloc_trim)."""
     if _large_cpu_call(device, scores) and _LIBC is not None:
         _LIBC.malloc_trim(0)

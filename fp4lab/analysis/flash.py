@@ -553,7 +553,8 @@ class _FlashAttention(torch.autograd.Function):
         rec = begin_trace(cfg, t, q, v)
         ps = Pass.start(cfg, t, rec is not None)
         o, lse, o_prime, saved = _forward(q, k, v, ps, rec)
-        allocator.trim(q.device, scores)
+        if not any(ctx.needs_input_grad[:3]):  # else the backward reuses the free heap
+            allocator.trim(q.device, scores)
         ctx.forwarded = Forwarded((q, k, v), o, lse, o_prime, saved, ps, rec)
         return o.to(q.dtype, copy=True)  # not a view of o: a caller may modify it in place
 
