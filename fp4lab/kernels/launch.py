@@ -64,7 +64,7 @@ def launch(kernel, grid: tuple, args: tuple, constants: dict, options: dict,
     entry = _COMPILED.get(key)
     if entry is not None and (not fixed or entry[2] is constants):
         compiled, values, _ = entry
-        compiled[grid](*args, *values)
+        compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *values)  # it takes three dims
         return compiled
     compiled = kernel[grid](*args, **constants, **options)
     if compiled is not None:

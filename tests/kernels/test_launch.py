@@ -53,7 +53,9 @@ def test_a_signature_seen_before_calls_the_compiled_kernel_with_every_parameter(
     assert len(kernel.jit) == 1
     assert kernel.jit[0][2] == dict(BLOCK=16, num_warps=4)
     # the constexprs in parameter order, the one left out at its default
-    assert kernel.direct == [((2,), (x, 5, 0.5, 16, False)), ((3,), (x, 5, 0.5, 16, False))]
+    # three grid dims, as the compiled kernel's launcher takes them
+    assert kernel.direct == [((2, 1, 1), (x, 5, 0.5, 16, False)),
+                             ((3, 1, 1), (x, 5, 0.5, 16, False))]
 
 
 @pytest.mark.parametrize("change", ["int", "bool_for_int", "float", "none", "dtype", "align",

@@ -291,6 +291,7 @@ def test_the_uninstrumented_call_compiles_trace_off(monkeypatch):
             return launch
 
     monkeypatch.setattr(flash, "_attn_fwd", Spy())
+    monkeypatch.setenv("FP4LAB_DIRECT_LAUNCH", "0")  # every launch through kernel[grid]
     q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=1)
     fp4lab.attention(q, k, v, "nvfp4", backend="triton", block_m=32, block_n=32)
     assert launched == [False]
@@ -318,6 +319,7 @@ def test_the_uninstrumented_backward_compiles_trace_off(monkeypatch, kernel):
             return launch
 
     monkeypatch.setattr(flash_bwd, kernel, Spy())
+    monkeypatch.setenv("FP4LAB_DIRECT_LAUNCH", "0")  # every launch through kernel[grid]
     q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=1)
     for trace in (None, Trace()):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
