@@ -707,10 +707,12 @@ def _quantize_kernel(
     x = _load_float32(x_ptr + (g64 * sx_g + (r * sx_r + c * sx_c)), inside, IN_KIND)
     flat = g64 * so_g + (r * so_r + c * so_c)  # the row-major index in x's shape
     # -- the block amax a and the tensor scales (decode d, encode e) --
+    if AMAX_IN_BUFFER:  # the tile lies inside one block (`_tiling`): the block of its origin
+        r0, c0 = tr * TILE_BR, tc * COL_STEP  # (ROW_STEP = BRP = TILE_BC = 1 here)
+        block = g64 * sa_g + ((r0 // block_r) * sa_r + (c0 // block_c) * sa_c)
     if not FIXED:
-        if AMAX_IN_BUFFER:
-            block = g64 * sa_g + ((r // block_r) * sa_r + (c // block_c) * sa_c)
-            a_bits = _load(block_amax_ptr + block, inside, 0)
+        if AMAX_IN_BUFFER:  # one amax, so one scale, for the whole tile: scalars
+            a_bits = tl.load(block_amax_ptr + block)
         else:
             a_bits = _block_max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         a = a_bits.to(tl.float32, bitcast=True)
@@ -773,11 +775,9 @@ def _quantize_kernel(
             _store_packed(packed_ptr, codes, g64, r, tc, R, C, so_g // 2, so_r // 2, TILE_BR,
                           BRP, ROW_VALID, TILE_BC, COL_STEP, BCP, COL_VALID, MASKED)
     if WRITE_SCALES:
-        if AMAX_IN_BUFFER:  # the element at each block's origin writes its scale
-            origin = (r % block_r == 0) & (c % block_c == 0)
-            if MASKED:
-                origin = origin & inside
-            scale = g64 * ss_g + ((r // block_r) * ss_r + (c // block_c) * ss_c)
+        if AMAX_IN_BUFFER:  # the tile holding its block's origin (at its own) writes the scale
+            origin = (r0 % block_r == 0) & (c0 % block_c == 0)
+            scale = g64 * ss_g + ((r0 // block_r) * ss_r + (c0 // block_c) * ss_c)
             tl.store(scales_ptr + scale, s, mask=origin)
         else:
             br = tr * TILE_BR + tl.arange(0, TILE_BR)[:, None, None, None]
