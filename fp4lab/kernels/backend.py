@@ -126,13 +126,18 @@ def _store_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if _interpreted() else torch.bfloat16
 
 
-@functools.lru_cache(maxsize=64)
 def _ones(shape: tuple, device: torch.device) -> torch.Tensor:
-    """A float32 tensor of ones, the factor of an operand whose values need none, made once per
-    shape and device (each `torch.ones` is an allocation and a fill kernel: three a call,
-    about 50 us each on the H200's host under cProfile, session 26). Shared between calls:
-    kernels and the factors' products only read it, and nothing writes it in place."""
-    return torch.ones(shape, dtype=torch.float32, device=device)
+    """The factor of an operand whose values need none (`_filled` with 1)."""
+    return _filled(shape, 1.0, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _filled(shape: tuple, value: float, device: torch.device) -> torch.Tensor:
+    """A float32 tensor of `value` (an operand's factor), made once per shape, value and device
+    (each `torch.ones` is an allocation and a fill kernel: three a call, about 50 us each on
+    the H200's host under cProfile, session 26). Shared between calls: kernels and the
+    factors' products only read it, and nothing writes it in place."""
+    return torch.full(shape, value, dtype=torch.float32, device=device)
 
 
 def check_recipe(recipe: AttentionRecipe) -> None:
@@ -371,9 +376,12 @@ def _operand(
         store = scope.back(fake_quantize(view, spec, **where)).to(_store_dtype(x))
         return store.contiguous(), ones
     if _fixed_pass(spec):  # a fixed power-of-two scale: the codes are the values over it
-        values = scope.back(fake_quantize(view, spec, **where))
-        store = (values * (1.0 / spec.fixed_scale)).to(_store_dtype(x)).contiguous()
-        return store, ones * spec.fixed_scale
+        from fp4lab.kernels.quantize import StoredScale, fake_quantize_stored
+
+        values, _ = fake_quantize_stored(view, spec, StoredScale.ONE,
+                                         out_dtype=_store_dtype(x), **where)
+        return scope.back(values).contiguous(), _filled(scope.factor_shape, spec.fixed_scale,
+                                                        x.device)
     noise = _noise(x, recipe, field, key)
     if noise is not None:
         noise = scope.view(noise)
@@ -507,9 +515,10 @@ def _one_pass(spec: QuantSpec) -> bool:
 
 def _fixed_pass(spec: QuantSpec) -> bool:
     """Whether `_operand` takes a format with one fixed power-of-two scale (FP8 x4, the
-    fp4-fa4 backward's) from the fused `fake_quantize`: its values over the scale are the
-    codes exactly, in x's 16-bit dtype too (at most 7 mantissa bits, no value below bf16's
-    normal range), the slow path's bits in two passes instead of five."""
+    fp4-fa4 backward's) from the fused `fake_quantize_stored` (`StoredScale.ONE`): its values
+    over the scale are the codes exactly, in x's 16-bit dtype too (at most 7 mantissa bits, no
+    value below bf16's normal range), the slow path's bits in one pass instead of five, the
+    scale the factor."""
     s = spec.fixed_scale
     if s is None or spec.block is not None or spec.tensor_scale or spec.hadamard:
         return False

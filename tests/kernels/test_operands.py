@@ -2,6 +2,7 @@
 
 `fp4lab.kernels.backend._operand` takes a whole-tensor operand through a fused pass where one
 gives the slow path's (store, factor) bits (`_codes_pass`: one FP32 scale per tensor or head,
+`_fixed_pass`: one fixed power-of-two scale in the factor,
 `_power_pass`: an alpha grid's 2^E with 1/M_e in the factor, `_factored_pass`: a tensor scale,
 stochastic formats included), and through `_quantized_operand` (quantize, then torch)
 otherwise. Every (preset recipe, operand field) that takes one of these passes is compared
@@ -45,8 +46,10 @@ def _new_pass(spec) -> str | None:
     """The name of the pass `_operand` takes `spec` by that this file checks, or None."""
     if not isinstance(spec, QuantSpec) or backend._tile_factored(spec):
         return None
-    if backend._one_pass(spec) or backend._fixed_pass(spec):
+    if backend._one_pass(spec):
         return None
+    if backend._fixed_pass(spec):
+        return "fixed"
     if backend._factored_pass(spec):
         return "factored_sr" if spec.stochastic else None  # nearest: test_quantize's
     if backend._codes_pass(spec):
