@@ -225,15 +225,13 @@ class BackwardTrace:
         if st.keep is not None:  # dV's reference product takes dropout's mask too
             p64 = p64 * st.keep.to(p64.dtype)
         rows = torch.isfinite(st.lse)  # rows that see a key, (B, Hkv, G, n, 1, bm)
-        p_extras, ds_extras = {}, {}
+        p_extras, of_ds = {}, {}
         p_stats = operand_stats(st.p, st.p_dv.values, st.p_dv.counts, extras=p_extras)
         lost = st.p.sum(-1) - p_extras["kept_mass"]  # flushed P per row
         mass = torch.where(rows, lost, 0.0).double().sum(-1) / rows.sum(-1).double()
         allowed = None if st.unmasked else st.s > -math.inf
-        dq_stats = operand_stats(st.ds, st.ds_dq.values, st.ds_dq.counts, extras=ds_extras)
-        dk_stats = operand_stats(
-            st.ds, st.ds_dk.values, st.ds_dk.counts, nonzero=ds_extras["nonzero"]
-        )
+        dq_stats = operand_stats(st.ds, st.ds_dq.values, st.ds_dq.counts, of_x=of_ds)
+        dk_stats = operand_stats(st.ds, st.ds_dk.values, st.ds_dk.counts, of_x=of_ds)
         if st.unmasked:
             dp_err = gram_product_stats(*self.grams, block, st.dp)
         else:

@@ -34,25 +34,29 @@ def operand_stats(
     xq: torch.Tensor,
     counts: dict | None = None,
     *,
-    nonzero: torch.Tensor | None = None,
+    of_x: dict | None = None,
     extras: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """The operand columns for tiles x -> x^ (..., rows, cols), reduced over the tile.
 
     `counts` holds per-tile counts of "clipped" elements and of "blocks" with a nonzero
     element, of which "scale_underflow" and "scale_overflow" left the scale format's range
-    (missing or None: no block scales), or is None for an unquantized operand. `nonzero`:
-    `count_nonzero(x)` if the caller has it. A dict given as `extras` receives "nonzero"
-    (that count) and "kept_mass", each row's sum of x over the elements x^ keeps nonzero
-    (..., rows). Sums run in x's precision; the columns are float64. One scratch tensor of
-    x's size is allocated (fresh large tensors cost page faults).
+    (missing or None: no block scales), or is None for an unquantized operand. `of_x`, a dict
+    of x's own per-tile "norm" and "nonzero" count, is read where it holds them and filled in
+    where not: two quantizations of one x (dS as dQ and as dK consume it) share them. A dict
+    given as `extras` receives "kept_mass", each row's sum of x over the elements x^ keeps
+    nonzero (..., rows). Sums run in x's precision; the columns are float64. One scratch
+    tensor of x's size is allocated (fresh large tensors cost page faults).
     """
     dims = (-2, -1)
+    of_x = {} if of_x is None else of_x
     scratch = torch.sub(xq, x)
     diff = torch.linalg.vector_norm(scratch, dim=dims).double()
-    norm = torch.linalg.vector_norm(x, dim=dims).double()
-    if nonzero is None:
-        nonzero = exact_count(torch.sign(x, out=scratch).abs_(), dims)
+    if "norm" not in of_x:
+        of_x["norm"] = torch.linalg.vector_norm(x, dim=dims).double()
+    if "nonzero" not in of_x:
+        of_x["nonzero"] = exact_count(torch.sign(x, out=scratch).abs_(), dims)
+    norm, nonzero = of_x["norm"], of_x["nonzero"]
     kept = exact_count(torch.sign(xq, out=scratch).abs_(), dims)
     stats = {
         "err": torch.where(diff == 0, 0.0, diff / norm),
@@ -61,7 +65,7 @@ def operand_stats(
         "nan": _nan_count(xq, diff),
     }
     if extras is not None:
-        extras.update(nonzero=nonzero, kept_mass=scratch.mul_(x).sum(-1))
+        extras["kept_mass"] = scratch.mul_(x).sum(-1)
     counts = counts or {}
     stats["clipped"] = (
         fraction(counts["clipped"], nonzero) if "clipped" in counts else torch.zeros_like(diff)
@@ -147,9 +151,10 @@ def block_counts(scaled, amax, scales, decode, spec: QuantSpec, layout, per_tile
     clipped = scaled.abs_().sub_(spec.element.max).clamp_(min=0).sign_()  # |x| > M_e s d: saturated
     stores = (scales > 0).unsqueeze(-1)  # only blocks that store a nonzero scale count
     ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
+    nonzero = amax > 0
     blocks = {
-        "blocks": amax > 0,
-        "scale_underflow": (amax > 0) & (ideal < spec.scale.min_subnormal * (1 - SLACK)),
+        "blocks": nonzero,
+        "scale_underflow": nonzero & (ideal < spec.scale.min_subnormal * (1 - SLACK)),
         "scale_overflow": ideal > spec.scale.max * (1 + SLACK),
     }
     if per_tile:  # each block's count masked, not each element (integers: exact either way)
