@@ -280,21 +280,13 @@ def _bfloat16_round(v):
 
 @triton.jit
 def _tile(TILE_BR: tl.constexpr, ROW_STEP: tl.constexpr, BRP: tl.constexpr,
-          TILE_BC: tl.constexpr, COL_STEP: tl.constexpr, BCP: tl.constexpr,
-          LAST_FIRST: tl.constexpr = False):
+          TILE_BC: tl.constexpr, COL_STEP: tl.constexpr, BCP: tl.constexpr):
     """This program's plane g (grid axis 2), tile (tr, tc) (axes 1 and 0) and the
     (TILE_BR, BRP, TILE_BC, BCP) rows r and columns c of its tile: row nbr * ROW_STEP + jr,
-    column nbc * COL_STEP + jc. LAST_FIRST: the programs take the tiles in reverse order, the
-    last tile of the last plane first (the quantize kernel after the amax pass, which read
-    the input in order: the end of the input it read last is what the L2 cache still holds
-    when the second pass starts)."""
+    column nbc * COL_STEP + jc."""
     tc = tl.program_id(0)
     tr = tl.program_id(1)
     g = tl.program_id(2)
-    if LAST_FIRST:
-        tc = tl.num_programs(0) - 1 - tc
-        tr = tl.num_programs(1) - 1 - tr
-        g = tl.num_programs(2) - 1 - g
     r = tr * (TILE_BR * ROW_STEP) + tl.arange(0, TILE_BR)[:, None, None, None] * ROW_STEP
     r = r + tl.arange(0, BRP)[None, :, None, None]
     c = tc * (TILE_BC * COL_STEP) + tl.arange(0, TILE_BC)[None, None, :, None] * COL_STEP
@@ -706,7 +698,7 @@ def _quantize_kernel(
     fake-quantized values (value * s * d, or value * s and the decode d apart with FACTORED;
     with STORED the decoded values alone, or times 2^E of an alpha grid: `StoredScale`),
     codes, packed codes and scales as asked."""
-    g, tr, tc, r, c = _tile(TILE_BR, ROW_STEP, BRP, TILE_BC, COL_STEP, BCP, LAST_FIRST=True)
+    g, tr, tc, r, c = _tile(TILE_BR, ROW_STEP, BRP, TILE_BC, COL_STEP, BCP)
     if MASKED:
         inside = _tile_mask(r, c, R, C, BRP, ROW_VALID, BCP, COL_VALID)
     else:
