@@ -16,6 +16,9 @@ What exists:
   with `quantize` and runs `flash` and, through autograd, `flash_bwd` (their warps and
   pipeline stages by tile size, `launch_options`);
 - `layout`: V's bytes transposed to the key-major layout FP8 P V reads (`key_major`);
+- `launch`: a kernel launched again for a call signature it ran before by calling its
+  compiled kernel directly, past `triton.jit`'s argument binding (`FP4LAB_DIRECT_LAUNCH=0`
+  turns it off);
 - `trace`: the per-tile statistics of the forward and the backward (the `flash` and
   `flash_bwd` kernels compiled with their TRACE flag write them to small buffers) as the
   simulation's `Trace` schema, so that `trace=Trace()` fills the same frame on either
