@@ -107,7 +107,7 @@ from fp4lab.formats import (
 )
 from fp4lab.formats.philox import split_key
 from fp4lab.kernels.launch import launch
-from fp4lab.kernels.quantize import _bfloat16_round, _interpreting
+from fp4lab.kernels.quantize import _bfloat16_round
 from fp4lab.kernels.random import tile_words
 from fp4lab.recipes.tile_stats import SLACK
 
@@ -1605,10 +1605,7 @@ def launch_fitting(kernel, grid: tuple, args: tuple, constants: dict) -> None:
     params = {name: value for name, value in constants.items() if name not in _OPTIONS}
     while True:
         try:
-            if _interpreting():
-                kernel[grid](*args, **{**constants, "num_stages": stages})
-            else:  # the compiled kernel called directly after the first launch
-                launch(kernel, grid, args, params, {**options, "num_stages": stages})
+            launch(kernel, grid, args, params, {**options, "num_stages": stages})
         except triton.runtime.errors.OutOfResources as error:
             if stages == 1:
                 raise ValueError(

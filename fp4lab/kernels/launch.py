@@ -22,9 +22,11 @@ call, as `triton.jit` takes it. A caller whose plan fixes every scalar and const
 so (`fixed`): its constants are then keyed by identity (the quantizers' `_BlocksPlan`),
 which skips building the key by value.
 
-Where. On a GPU. Under Triton's interpreter every launch goes through the interpreted
-function (`fp4lab.kernels.quantize._run`). ``FP4LAB_DIRECT_LAUNCH=0`` (read at each call, so
-one process can time both) sends every launch through `triton.jit`, for A/B timing and for
+Where. On a GPU. Under Triton's interpreter a launch returns no compiled kernel, so every
+launch runs the interpreted function (the key is still built, so CPU tests check that every
+argument is one it takes); the quantizers' interpreted launches go through
+`fp4lab.kernels.quantize._run` instead. ``FP4LAB_DIRECT_LAUNCH=0`` (read at each call, so one
+process can time both) sends every launch through `triton.jit`, for A/B timing and for
 debugging a launch.
 """
 

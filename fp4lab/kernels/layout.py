@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from fp4lab.kernels.launch import launch
-from fp4lab.kernels.quantize import _interpreting
 
 __all__ = ["key_major"]
 
@@ -49,10 +48,6 @@ def key_major(x: torch.Tensor) -> torch.Tensor:
     if x.numel():
         block_s, block_d = 64, min(128, triton.next_power_of_2(D))
         grid = (triton.cdiv(S, block_s), triton.cdiv(D, block_d), n)
-        args = (x.view(torch.int8), out.view(torch.int8), S, D)
-        constants = dict(BLOCK_S=block_s, BLOCK_D=block_d)
-        if _interpreting():
-            _transpose_kernel[grid](*args, **constants)
-        else:  # the compiled kernel called directly after the first launch
-            launch(_transpose_kernel, grid, args, constants, {})
+        launch(_transpose_kernel, grid, (x.view(torch.int8), out.view(torch.int8), S, D),
+               dict(BLOCK_S=block_s, BLOCK_D=block_d), {})
     return out.transpose(-1, -2)
