@@ -5,13 +5,16 @@
 #     bash benchmarks/gpu_session.sh STAGE... [-- LIMIT_S]
 #
 # stages, in the order given:
-#   tests      tests/kernels/test_flash.py and test_trace.py compiled (pytest -v -n 6, so a
-#              killed run still names what it finished; --tb=line, so a failure's message,
+#   tests      tests/kernels/test_flash.py and test_trace.py compiled (pytest -v -n 6, or
+#              PYTEST_WORKERS, so a killed run still names what it finished; --tb=line, so
+#              a failure's message,
 #              a random test's seed included, survives), then the failures alone with
 #              --tb=long (a test that draws fresh inputs draws new ones there)
 #   eden       tests/kernels/test_flash_eden.py the same way (its rotated backward compiles
 #              for minutes; EDEN_TESTS names the tests to run instead of the whole file)
 #   bwdtests   tests/kernels/test_flash_bwd.py and test_flash_sr.py the same way
+#   attntests  tests and bwdtests in one run (with PYTEST_WORKERS=12 their compiles share
+#              more of the machine's 16 cores)
 #   qtests     tests/kernels/test_quantize.py, test_random.py and
 #              tests/formats/test_quantize_devices.py the same way (the quantizers)
 #   forward    the forward bench (kernel alone and the whole call), warmed in 8 shards first
@@ -59,7 +62,7 @@ warm() {  # eight shards of the same arguments compile side by side
 }
 pytests() {  # $1: log name, then the test files
   local name=$1; shift
-  timeout $(( $(left) * 2 / 3 )) python3 -m pytest -v -n 6 --tb=line -p no:cacheprovider "$@" \
+  timeout $(( $(left) * 2 / 3 )) python3 -m pytest -v -n ${PYTEST_WORKERS:-6} --tb=line -p no:cacheprovider "$@" \
     > "$O/$name.log" 2>&1
   log "$name rc $?"
   grep -E "FAILED|ERROR" "$O/$name.log" | grep -oE "tests/[^ ]+" | sort -u | head -12 \
@@ -78,6 +81,8 @@ for stage in "${STAGES[@]}"; do
   [ "$(left)" -lt 40 ] && { log "no time for $stage"; continue; }
   case $stage in
     tests) pytests tests tests/kernels/test_flash.py tests/kernels/test_trace.py ;;
+    attntests) pytests attntests tests/kernels/test_flash.py tests/kernels/test_trace.py \
+                 tests/kernels/test_flash_bwd.py tests/kernels/test_flash_sr.py ;;
     eden) pytests eden ${EDEN_TESTS:-tests/kernels/test_flash_eden.py} ;;
     bwdtests) pytests bwdtests tests/kernels/test_flash_bwd.py tests/kernels/test_flash_sr.py ;;
     qtests) pytests qtests tests/kernels/test_quantize.py tests/kernels/test_random.py \
