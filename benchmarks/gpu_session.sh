@@ -7,8 +7,8 @@
 # stages, in the order given:
 #   tests      tests/kernels/test_flash.py and test_trace.py compiled (pytest -v -n 6, or
 #              PYTEST_WORKERS, so a killed run still names what it finished; --tb=line, so
-#              a failure's message,
-#              a random test's seed included, survives), then the failures alone with
+#              a failure's message, a random test's seed included, survives), then the
+#              failures alone with
 #              --tb=long (a test that draws fresh inputs draws new ones there)
 #   eden       tests/kernels/test_flash_eden.py the same way (its rotated backward compiles
 #              for minutes; EDEN_TESTS names the tests to run instead of the whole file)
