@@ -390,7 +390,7 @@ def _operand(
 
         values, decode = fake_quantize_factored(view, spec, noise=noise, **where)
         store = scope.back(values).to(_store_dtype(x)).contiguous()
-        return store, ones * scope.factor(decode)
+        return store, scope.factor(decode)
     if _codes_pass(spec) or _power_pass(spec):  # the slow path's arithmetic in one pass
         from fp4lab.kernels.quantize import StoredScale, fake_quantize_stored
 
@@ -399,8 +399,10 @@ def _operand(
         values, scales = fake_quantize_stored(
             view, spec, stored, noise=noise, out_dtype=_store_dtype(x), **where
         )
-        factor = ones / spec.element.max if power else ones * scope.factor(scales)
-        return scope.back(values).contiguous(), factor
+        if power:  # fl32(1 / M_e), as the slow path's ones / M_e rounds it
+            inverse = (torch.ones(()) / spec.element.max).item()
+            return scope.back(values).contiguous(), _filled(scope.factor_shape, inverse, x.device)
+        return scope.back(values).contiguous(), scope.factor(scales)
     return _quantized_operand(view, spec, scope, noise, where, _store_dtype(x))
 
 
