@@ -278,3 +278,30 @@ def test_per_group_factors_repeat_for_their_heads(b, h, groups):
     assert torch.equal(out, scale.repeat_interleave(groups, dim=1))
     one = backend._per_head(torch.tensor([2.5]), b, h, groups)
     assert one.shape == (b, h) and bool((one == 2.5).all())
+
+
+@pytest.mark.parametrize("recipe", ["fa4fp4_causal", "fa4fp4_causal_mxfp4pv", "nvfp4", "mxfp4"])
+def test_shared_factors_hold_their_value_after_a_forward_and_backward(monkeypatch, recipe):
+    """The factors made once and shared between calls (`backend._filled`: ones, fixed scales,
+    1/M_e) are only read: after a forward and backward that took them, each still holds its
+    value."""
+    import fp4lab
+
+    handed_out = []
+    made = backend._filled
+
+    def recording(shape, value, device):
+        t = made(shape, value, device)
+        handed_out.append((t, value))
+        return t
+
+    monkeypatch.setattr(backend, "_filled", recording)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, 2, 64, 64, generator=gen).bfloat16() for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    for _ in range(2):
+        fp4lab.attention(q, k, v, recipe, backend="triton", causal=True, block_m=32,
+                         block_n=32).backward(do)
+    assert handed_out
+    for t, value in handed_out:
+        assert torch.equal(t, torch.full_like(t, value)), (tuple(t.shape), value)
