@@ -13,11 +13,12 @@ for the compiled kernel's own launcher (benchmarks/gpu-runs/2026-12-03-s26, call
 (benchmarks/GPU_SESSION.md, section 2), so this is time a user waits for.
 
 How. The key holds everything Triton specializes a compiled kernel on, and more: the kernel;
-every constant (constexpr parameters and launch options such as num_warps) by value; every
-scalar argument by type and value, where Triton keys an int on whether it is 1, divisible
-by 16 and fits 32 bits (so this key is never coarser: it may hold more entries, never a
-wrong one); None arguments; each tensor's dtype, device index and whether its data pointer
-is 16-byte aligned (Triton's pointer specialization). The stream is the current one at each
+the current device, on which the compiled kernel was loaded (`triton.jit` keeps one per
+device); every constant (constexpr parameters and launch options such as num_warps) by
+value; every scalar argument by type and value, where Triton keys an int on whether it is
+1, divisible by 16 and fits 32 bits (so this key is never coarser: it may hold more entries,
+never a wrong one); None arguments; each tensor's dtype, device index and whether its data
+pointer is 16-byte aligned (Triton's pointer specialization). The stream is the current one at each
 call, as `triton.jit` takes it. A caller whose plan fixes every scalar and constant says
 so (`fixed`): its constants are then keyed by identity (the quantizers' `_BlocksPlan`),
 which skips building the key by value.
@@ -58,7 +59,7 @@ def launch(kernel, grid: tuple, args: tuple, constants: dict, options: dict,
     launched nothing)."""
     if not direct():
         return kernel[grid](*args, **constants, **options)
-    opts = tuple(sorted(options.items()))
+    opts = (tuple(sorted(options.items())), _current_device())
     if fixed:
         key = (kernel, _tensors(args), id(constants), opts)
     else:
@@ -76,6 +77,12 @@ def launch(kernel, grid: tuple, args: tuple, constants: dict, options: dict,
         values = tuple(constants[p.name] if p.name in constants else p.default for p in rest)
         _COMPILED[key] = (compiled, values, constants if fixed else None)
     return compiled
+
+
+def _current_device() -> int:
+    """The current CUDA device (-1 without one): a compiled kernel is loaded on the device
+    current at its first launch, and `triton.jit` keeps one per device, so this key does too."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
 
 
 def _tensors(args: tuple) -> tuple:

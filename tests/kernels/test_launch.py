@@ -98,3 +98,13 @@ def test_direct_launch_off_sends_every_launch_through_jit(monkeypatch):
 def test_an_argument_triton_would_not_take_is_a_type_error():
     with pytest.raises(TypeError, match="argument of type str"):
         launch.launch(_Kernel(), (1,), (torch.zeros(8), "five", 0.5), dict(BLOCK=16), {})
+
+
+def test_another_current_device_launches_through_jit(monkeypatch):
+    """A compiled kernel is loaded on the device current at its first launch: with another
+    device current, the launch goes through `triton.jit` (which keeps one per device)."""
+    kernel, x = _Kernel(), torch.zeros(8)
+    for device in (0, 0, 1, 1, 0):
+        monkeypatch.setattr(launch, "_current_device", lambda device=device: device)
+        launch.launch(kernel, (1,), (x, 5, 0.5), dict(BLOCK=16), {})
+    assert len(kernel.jit) == 2 and len(kernel.direct) == 3
