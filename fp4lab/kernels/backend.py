@@ -131,13 +131,26 @@ def _ones(shape: tuple, device: torch.device) -> torch.Tensor:
     return _filled(shape, 1.0, device)
 
 
-@functools.lru_cache(maxsize=64)
 def _filled(shape: tuple, value: float, device: torch.device) -> torch.Tensor:
     """A float32 tensor of `value` (an operand's factor), made once per shape, value and device
     (each `torch.ones` is an allocation and a fill kernel: three a call, about 50 us each on
     the H200's host under cProfile, session 26). Shared between calls: kernels and the
-    factors' products only read it, and nothing writes it in place."""
-    return torch.full(shape, value, dtype=torch.float32, device=device)
+    factors' products only read it, and nothing writes it in place. While a CUDA graph is
+    being captured a fresh one is made each call (one made there would live in the graph's
+    memory and be filled only when the graph replays)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full(shape, value, dtype=torch.float32, device=device)
+    return _filled_once(shape, value, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _filled_once(shape: tuple, value: float, device: torch.device) -> torch.Tensor:
+    """`_filled`'s shared tensor, its fill waited for once, so that a call on any stream
+    reads it filled."""
+    t = torch.full(shape, value, dtype=torch.float32, device=device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return t
 
 
 def check_recipe(recipe: AttentionRecipe) -> None:
