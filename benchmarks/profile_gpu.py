@@ -198,10 +198,14 @@ def main() -> None:
             key=lambda r: -r["self_device_us"],
         )  # fmt: skip
         host_plain_ms = host_ms_plain(fn)  # the host's own time: 20 calls back to back
+        saved = os.environ.get("FP4LAB_DIRECT_LAUNCH")
         os.environ["FP4LAB_DIRECT_LAUNCH"] = "0"  # every launch through triton.jit
         fn()
         host_jit_ms = host_ms_plain(fn)
-        os.environ["FP4LAB_DIRECT_LAUNCH"] = "1"
+        if saved is None:
+            os.environ.pop("FP4LAB_DIRECT_LAUNCH")
+        else:
+            os.environ["FP4LAB_DIRECT_LAUNCH"] = saved
         host = cProfile.Profile()
         torch.cuda.synchronize()
         start = time.perf_counter()

@@ -85,19 +85,23 @@ def _current_device() -> int:
     return torch.cuda.current_device() if torch.cuda.is_available() else -1
 
 
-def _tensors(args: tuple) -> tuple:
+def _tensor_key(a: torch.Tensor) -> tuple:
     """What Triton specializes a tensor argument on: dtype, device, 16-byte alignment."""
-    return tuple((a.dtype, a.device.index, a.data_ptr() % 16 == 0) for a in args
-                 if isinstance(a, torch.Tensor))
+    return a.dtype, a.device.index, a.data_ptr() % 16 == 0
+
+
+def _tensors(args: tuple) -> tuple:
+    """The tensor arguments' `_tensor_key`s (a plan fixes the rest)."""
+    return tuple(_tensor_key(a) for a in args if isinstance(a, torch.Tensor))
 
 
 def _signature(args: tuple) -> tuple:
-    """Each argument as Triton could specialize on it, or finer: a tensor as `_tensors`
-    describes it, a scalar (bool, int, float) by type and value, None as None."""
+    """Each argument as Triton could specialize on it, or finer: a tensor by `_tensor_key`, a
+    scalar (bool, int, float) by type and value, None as None."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            out.append((a.dtype, a.device.index, a.data_ptr() % 16 == 0))
+            out.append(_tensor_key(a))
         elif a is None or isinstance(a, (bool, int, float)):
             out.append((type(a), a))
         else:
