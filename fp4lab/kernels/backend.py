@@ -73,6 +73,7 @@ rotated axis: the tiles (`flash_bwd.check_tiles`), head_dim and the sequences
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import os
@@ -151,6 +152,40 @@ def _filled_once(shape: tuple, value: float, device: torch.device) -> torch.Tens
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return t
+
+
+_MEMO: dict = {}  # (what, id(obj), extra) -> (obj, value): `_memo`'s
+_MAX_MEMO = 1024
+
+
+def _memo(what: str, obj, extra, make):
+    """`make()`, a pure function of the frozen `obj` (a recipe or a format) and the hashable
+    `extra`, made once and kept while `obj` lives: keyed by obj's identity (hashing a recipe
+    by value costs some 180 Python calls), the entry holding obj so its id is not reused, the
+    whole table dropped at `_MAX_MEMO` entries. What raises is not kept. `clear_caches`
+    empties it."""
+    key = (what, id(obj), extra)
+    entry = _MEMO.get(key)
+    if entry is not None and entry[0] is obj:
+        return entry[1]
+    value = make()
+    if len(_MEMO) >= _MAX_MEMO:
+        _MEMO.clear()
+    _MEMO[key] = (obj, value)
+    return value
+
+
+def clear_caches() -> None:
+    """Empty what the host keeps per recipe, format and call signature (`_memo`; the forward's
+    constants, `flash._forward_constants`; the launches' compiled kernels,
+    `fp4lab.kernels.launch`): for a test or a benchmark that patches a function those were
+    made by. Nothing else needs it; every entry is keyed by what it was made from."""
+    from fp4lab.kernels import flash, launch
+
+    _MEMO.clear()
+    flash._forward_constants.cache_clear()
+    flash._SPLITS.clear()
+    launch._COMPILED.clear()
 
 
 def check_recipe(recipe: AttentionRecipe) -> None:
@@ -371,52 +406,95 @@ def _operand(
     """(store, factor): the quantized operand as exact bf16 values and the fp32 factor they
     are multiplied by, one per (batch, head of x), or with tensor_scope=tile one per tile of
     `rows` rows of each (batch, head): (B, H, n tiles); a stochastic format rounds with the
-    uniforms of its stream under the pass's key `key` (`_noise`), as the simulation does."""
-    spec = getattr(recipe, field)
+    uniforms of its stream under the pass's key `key` (`_noise`), as the simulation does. The
+    route through the fused passes is chosen once per recipe and field (`_operand_route`)."""
+    spec, route, axis, inverse = _memo("route", recipe, field, lambda: _operand_route(recipe,
+                                                                                      field))
     scope = _Scope.of(x, recipe, groups, rows)
-    ones = _ones(scope.factor_shape, x.device)
-    if spec is None:
-        return x.to(_store_dtype(x)).contiguous(), ones
-    if isinstance(spec, FloatFormat):
-        return cast_to_format(x, spec).to(_store_dtype(x)).contiguous(), ones
-    from fp4lab.kernels.quantize import fake_quantize
-
-    if _tile_factored(spec):
+    store_dtype = _store_dtype(x)
+    if route is _Route.PLAIN:
+        return x.to(store_dtype).contiguous(), _ones(scope.factor_shape, x.device)
+    if route is _Route.CAST:
+        return (cast_to_format(x, spec).to(store_dtype).contiguous(),
+                _ones(scope.factor_shape, x.device))  # fmt: skip
+    if route is _Route.TILE:
         return _tile_operand(x, recipe, field, rows)
-    view = scope.view(x)
-    where = dict(axis=recipe.block_axis(field), batch_dims=scope.batch_dims)
-    if _one_pass(spec):  # codes times block scales in one fused pass
-        store = scope.back(fake_quantize(view, spec, **where)).to(_store_dtype(x))
-        return store.contiguous(), ones
-    if _fixed_pass(spec):  # a fixed power-of-two scale: the codes are the values over it
-        from fp4lab.kernels.quantize import StoredScale, fake_quantize_stored
+    from fp4lab.kernels.quantize import (
+        StoredScale,
+        fake_quantize,
+        fake_quantize_factored,
+        fake_quantize_stored,
+    )
 
-        values, _ = fake_quantize_stored(view, spec, StoredScale.ONE,
-                                         out_dtype=_store_dtype(x), **where)
+    view = scope.view(x)
+    where = dict(axis=axis, batch_dims=scope.batch_dims)
+    if route is _Route.ONE:  # codes times block scales in one fused pass
+        store = scope.back(fake_quantize(view, spec, **where)).to(store_dtype)
+        return store.contiguous(), _ones(scope.factor_shape, x.device)
+    if route is _Route.FIXED:  # a fixed power-of-two scale: the codes are the values over it
+        values, _ = fake_quantize_stored(view, spec, StoredScale.ONE, out_dtype=store_dtype,
+                                         **where)  # fmt: skip
         return scope.back(values).contiguous(), _filled(scope.factor_shape, spec.fixed_scale,
                                                         x.device)
     noise = _noise(x, recipe, field, key)
     if noise is not None:
         noise = scope.view(noise)
-    if _factored_pass(spec):  # codes times block scales, the tensor scale as the factor
-        from fp4lab.kernels.quantize import fake_quantize_factored
-
+    if route is _Route.FACTORED:  # codes times block scales, the tensor scale as the factor
         values, decode = fake_quantize_factored(view, spec, noise=noise, **where)
-        store = scope.back(values).to(_store_dtype(x)).contiguous()
-        return store, scope.factor(decode)
-    if _codes_pass(spec) or _power_pass(spec):  # the slow path's arithmetic in one pass
-        from fp4lab.kernels.quantize import StoredScale, fake_quantize_stored
-
-        power = spec.scale_rule.alpha_grid
+        return scope.back(values).to(store_dtype).contiguous(), scope.factor(decode)
+    if route in (_Route.CODES, _Route.POWER):  # the slow path's arithmetic in one pass
+        power = route is _Route.POWER
         stored = StoredScale.POWER if power else StoredScale.ONE
         values, scales = fake_quantize_stored(
-            view, spec, stored, noise=noise, out_dtype=_store_dtype(x), **where
+            view, spec, stored, noise=noise, out_dtype=store_dtype, **where
         )
         if power:  # fl32(1 / M_e), as the slow path's ones / M_e rounds it
-            inverse = (torch.ones(()) / spec.element.max).item()
             return scope.back(values).contiguous(), _filled(scope.factor_shape, inverse, x.device)
         return scope.back(values).contiguous(), scope.factor(scales)
-    return _quantized_operand(view, spec, scope, noise, where, _store_dtype(x))
+    return _quantized_operand(view, spec, scope, noise, where, store_dtype)
+
+
+class _Route(enum.Enum):
+    """How `_operand` makes an operand's (store, factor): which of its passes takes the spec."""
+
+    PLAIN = "plain"  # unquantized: x in the store dtype
+    CAST = "cast"  # a FloatFormat: `cast_to_format`
+    TILE = "tile"  # 2-D tiles with one FP32 scale each, `_tile_factored`
+    ONE = "one"  # `_one_pass`
+    FIXED = "fixed"  # `_fixed_pass`
+    FACTORED = "factored"  # `_factored_pass`
+    CODES = "codes"  # `_codes_pass`
+    POWER = "power"  # `_power_pass`
+    SLOW = "slow"  # `_quantized_operand`
+
+
+def _operand_route(recipe: AttentionRecipe, field: str) -> tuple:
+    """(spec, route, block axis, 1/M_e) of operand `field`: the pass predicates in `_operand`'s
+    order of trial (each a pure function of the spec), the axis its blocks run along, and
+    an alpha grid's fl32(1 / M_e) (POWER's factor; None elsewhere)."""
+    spec = getattr(recipe, field)
+    axis, inverse = None, None
+    if spec is None:
+        route = _Route.PLAIN
+    elif isinstance(spec, FloatFormat):
+        route = _Route.CAST
+    elif _tile_factored(spec):
+        route = _Route.TILE
+    else:
+        axis = recipe.block_axis(field)
+        if _one_pass(spec):
+            route = _Route.ONE
+        elif _fixed_pass(spec):
+            route = _Route.FIXED
+        elif _factored_pass(spec):
+            route = _Route.FACTORED
+        elif _codes_pass(spec) or _power_pass(spec):
+            route = _Route.POWER if spec.scale_rule.alpha_grid else _Route.CODES
+            if route is _Route.POWER:
+                inverse = (torch.ones(()) / spec.element.max).item()
+        else:
+            route = _Route.SLOW
+    return spec, route, axis, inverse
 
 
 def _quantized_operand(view, spec: QuantSpec, scope: _Scope, noise, where: dict, store_dtype):
@@ -774,7 +852,12 @@ def quantize_operands(q, k, v, recipe: AttentionRecipe, key: int | None = None, 
 
 
 def p_quantizer(recipe: AttentionRecipe):
-    """The kernel's `PQuantizer` of the recipe's P: its `p` format or Direct-P."""
+    """The kernel's `PQuantizer` of the recipe's P: its `p` format or Direct-P (made once per
+    recipe, `_memo`)."""
+    return _memo("p", recipe, None, lambda: _p_quantizer(recipe))
+
+
+def _p_quantizer(recipe: AttentionRecipe):
     from fp4lab.kernels.flash import PQuantizer
 
     if recipe.p_quant is PQuant.DIRECT:
@@ -848,7 +931,12 @@ def backward_quantizers(recipe: AttentionRecipe):
     """The in-register quantizers (P in dV, dS in dQ, dS in dK) as `TileQuantizer`s; with the
     straight-through backward (and forward_exact's replay), P in dV takes the forward's
     quantizer, along the keys (two-level P, mode 6, straight through: each row of the
-    backward's normalized P scaled to M_e M_s, as the simulation's `quantize_p`)."""
+    backward's normalized P scaled to M_e M_s, as the simulation's `quantize_p`). Made once
+    per recipe (`_memo`)."""
+    return _memo("backward", recipe, None, lambda: _backward_quantizers(recipe))
+
+
+def _backward_quantizers(recipe: AttentionRecipe):
     from fp4lab.kernels.flash_bwd import TileQuantizer
 
     if recipe.backward is not BackwardMode.FLASH:  # straight through, or the forward's own P^
@@ -1092,11 +1180,11 @@ def attention(
     dropout_p=0.0,
 ):
     """Attention with `recipe` on the Triton kernels (arguments as `fp4lab.attention`)."""
-    recipe = resolve_recipe(recipe)
+    recipe = _resolved(recipe)
     _check_call(q, k, v, trace, attn_mask)
     if dropout_p:
         raise NotImplementedError("dropout_p: the Triton kernels have no dropout yet")
-    check_recipe(recipe)
+    _memo("recipe checked", recipe, None, lambda: check_recipe(recipe) or True)
     if trace is not None and recipe.stochastic:
         raise NotImplementedError(
             f"trace: recipe {recipe.name!r} rounds stochastically, and the Triton backend's "
@@ -1115,13 +1203,13 @@ def attention(
             f"{q.shape[0]} into equal chunks"
         )
     block_m, block_n = recipe.tiles(block_m, block_n)
-    check_tiling(recipe, q.shape[-1], v.shape[-1], block_m, block_n)  # as the simulation's
-    check_tile_scales(recipe, block_m, block_n, q.shape[-1], v.shape[-1])
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        check_backward(recipe, block_m, block_n)
-        check_rotated_extents(recipe, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1])
+    grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    extents = (q.shape[2], k.shape[2], q.shape[-1], v.shape[-1])
+    _memo("tiles checked", recipe, (block_m, block_n, extents, grads),
+          lambda: _check_signature(recipe, block_m, block_n, extents, grads))
+    if grads and trace is not None:
         rotated = [f for f in _TILE_OPERANDS if _rotation(recipe, f) is not None]
-        if trace is not None and rotated:
+        if rotated:
             raise NotImplementedError(
                 f"trace: the instrumented backward does not count the rotated operands "
                 f"{', '.join(rotated)} of recipe {recipe.name!r}; use backend='reference'"
@@ -1132,3 +1220,37 @@ def attention(
     return _TritonAttention.apply(
         q, k, v, recipe, bool(causal), scale, block_m, block_n, gen, trace
     )
+
+
+def _check_signature(recipe: AttentionRecipe, block_m: int, block_n: int, extents: tuple,
+                     grads: bool) -> bool:
+    """`attention`'s checks of the recipe against the tiles and the extents (Sq, Sk, d, dv):
+    each a pure function of them, run once per recipe and signature (`_memo`; one that raises
+    is run again by the next call)."""
+    sq, sk, d, dv = extents
+    check_tiling(recipe, d, dv, block_m, block_n)  # as the simulation's
+    check_tile_scales(recipe, block_m, block_n, d, dv)
+    if grads:
+        check_backward(recipe, block_m, block_n)
+        check_rotated_extents(recipe, sq, sk, d, dv)
+    return True
+
+
+_RECIPE_KINDS = (AttentionRecipe, QuantSpec, FloatFormat)
+
+
+def _resolved(recipe) -> AttentionRecipe:
+    """`resolve_recipe(recipe)`, where a registered format's name (a recipe of it on every
+    operand, built anew by each resolution) gives one recipe per registered object, so that
+    what is kept per recipe (`_memo`) serves its every call."""
+    if not isinstance(recipe, str):
+        return resolve_recipe(recipe)
+    from fp4lab.formats.registry import get
+
+    try:
+        obj = get(recipe, _RECIPE_KINDS)
+    except (TypeError, ValueError):
+        return resolve_recipe(recipe)  # its own message
+    if isinstance(obj, AttentionRecipe):
+        return obj
+    return _memo("uniform", obj, recipe, lambda: resolve_recipe(recipe))

@@ -106,7 +106,7 @@ from fp4lab.formats import (
     ScaleRule,
 )
 from fp4lab.formats.philox import split_key
-from fp4lab.kernels.launch import launch
+from fp4lab.kernels.launch import launch, static_key
 from fp4lab.kernels.quantize import _bfloat16_round
 from fp4lab.kernels.random import tile_words
 from fp4lab.recipes.tile_stats import SLACK
@@ -1554,6 +1554,8 @@ def sr_key_table(keys: tuple, stochastic: tuple, names: tuple, batch: int, devic
     64-bit key, or a sequence of n keys, one per consecutive batch / n batch elements (samples
     stacked along the batch, each drawing as its own call would), or None where operand j
     does not round stochastically (`stochastic[j]` False). The table is int32 (n, m, 2)."""
+    if not any(stochastic) and keys.count(None) == len(keys):  # nothing drawn: one row of zeros
+        return _key_table((((0, 0),) * len(keys),), torch.device(device)), batch
     n = max((len(k) for k in keys if isinstance(k, (tuple, list))), default=1)
     if batch % n:
         raise ValueError(f"sr keys: {n} keys per stream do not split a batch of {batch} evenly")
@@ -1598,14 +1600,15 @@ def launch_fitting(kernel, grid: tuple, args: tuple, constants: dict) -> None:
     2 stages on the H200, which has 227 KB; the forward's, 229 KB at 3): the depth changes no
     number, only the overlap of loads and math, and the depth that fits is remembered per
     kernel and constants. At one stage that still does not fit, a ValueError names the
-    tiles."""
-    key = (kernel.fn.__name__, tuple(sorted(constants.items())))
+    tiles. `constants` is read by value once per object (`_split`): the forward hands the same
+    object for every call of one configuration (`_forward_constants`)."""
+    key, params, options = _split(kernel, constants)
     stages = _STAGES.get(key, constants["num_stages"])
-    options = {name: constants[name] for name in _OPTIONS if name in constants}
-    params = {name: value for name, value in constants.items() if name not in _OPTIONS}
     while True:
+        options["num_stages"] = stages
+        static = key[2] if stages == constants["num_stages"] else static_key(params, options)
         try:
-            launch(kernel, grid, args, params, {**options, "num_stages": stages})
+            launch(kernel, grid, args, params, options, static=static)
         except triton.runtime.errors.OutOfResources as error:
             if stages == 1:
                 raise ValueError(
@@ -1617,6 +1620,73 @@ def launch_fitting(kernel, grid: tuple, args: tuple, constants: dict) -> None:
             continue
         _STAGES[key] = stages
         return
+
+
+_SPLITS: dict = {}  # id(constants) -> (constants, (key, params, options)), `_split`'s
+_MAX_SPLITS = 256
+
+
+def _split(kernel, constants: dict) -> tuple:
+    """(key, params, options) of `launch_fitting`'s `constants`: its key in `_STAGES` (the
+    kernel's name, every constant by value, and `launch.static_key` of the parameters and
+    options at the asked depth), the kernel's parameters and the launch options (a fresh
+    dict, its num_stages set per attempt). Made once per constants object and kernel, kept
+    while the object lives (the entry holds it, so its id is not reused)."""
+    entry = _SPLITS.get(id(constants))
+    if entry is not None and entry[0] is constants and entry[1] is kernel:
+        key, params, options = entry[2]
+        return key, params, dict(options)
+    options = {name: constants[name] for name in _OPTIONS if name in constants}
+    params = {name: value for name, value in constants.items() if name not in _OPTIONS}
+    items = tuple(sorted(constants.items()))  # by name (names are unique): the params' order too
+    params_items = tuple([item for item in items if item[0] not in _OPTIONS])
+    key = (kernel.fn.__name__, items, (params_items, tuple(sorted(options.items()))))
+    if len(_SPLITS) >= _MAX_SPLITS:
+        _SPLITS.clear()
+    _SPLITS[id(constants)] = (constants, kernel, (key, params, options))
+    return key, params, dict(options)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _forward_constants(
+    D: int, Dv: int, block_m: int, block_n: int, causal: bool, reverse: bool,
+    lazy_log2: float | None, row_sum_quantized: bool, pv_fp8: bool, pq: PQuantizer,
+    reference: str, anchor_keys: int, leakage_block: int, lse_log2: bool, prime: bool,
+    save_m: bool, smooth_q: bool, tile_scope: bool, leakage_parts: str, traced: bool,
+    positive_scale: bool, num_warps: int, num_stages: int,
+) -> dict:
+    """`_attn_fwd`'s constants and launch options for one configuration of
+    `attention_forward` (what it takes besides tensors, shapes and scalar arguments), made
+    once and shared: one object per configuration, which `launch_fitting` reads once
+    (`_split`). Nothing writes it. Typed, so that 1 and True are not one entry."""
+    instrument = {}
+    if traced:  # without it the kernel is compiled with TRACE's defaults
+        under, over = _scale_bounds(pq)
+        instrument = dict(TRACE=True, N_STATS=len(FORWARD_STATS), UNDER=under, OVER=over)
+    fixed = reference != "running"
+    per_tile = prime or traced or tile_scope or leakage_block > 0
+    # fmt: off
+    return dict(
+        HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, REVERSE=reverse,
+        LAZY=lazy_log2 is not None, LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized,
+        PV_FP8=pv_fp8,
+        MODE=pq.MODE, LIFT=pq.LIFT, EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2],
+        E_MAX=pq.ELEM[3], SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2],
+        S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
+        RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
+        LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=fixed,
+        ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=prime,
+        SAVE_M=save_m, SR=pq.SR, SR_BITS=pq.SR_BITS,
+        SMOOTH_Q=smooth_q, TILE_SCOPE=tile_scope, P_SHIFT=pq.shift,
+        LEAK_PARTS=_LEAK_PARTS[leakage_parts],
+        **_accumulate_in_dot(pq, per_tile, pv_fp8, fixed),
+        **_z_in_one_fma(pq, 1.0 if positive_scale else 0.0, traced, smooth_q, tile_scope),
+        **instrument,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        enable_fp_fusion=FP_FUSION,
+    )
+    # fmt: on
 
 
 def attention_forward(
@@ -1730,12 +1800,14 @@ def attention_forward(
             "trace: buffers must be contiguous, shaped as TraceBuffers.empty"
             f"({B}, {H}, {Sq}, {Sk}, {block_m}, {block_n}) makes them"
         )
-    instrument = {}
-    if trace is not None:  # without it the kernel is compiled with TRACE's defaults
-        under, over = _scale_bounds(pq)
-        instrument = dict(TRACE=True, N_STATS=len(FORWARD_STATS), UNDER=under, OVER=over)
     spare = lse  # a pointer for the buffers an uninstrumented kernel never touches
     pv_fp8 = v.dtype == torch.float8_e4m3fn
+    constants = _forward_constants(
+        D, Dv, block_m, block_n, bool(causal), bool(reverse), lazy_log2,
+        bool(row_sum_quantized), pv_fp8, pq, reference, anchor_keys, leakage_block,
+        bool(lse_log2), o_prime is not None, m_ref is not None, mean_scores is not None,
+        tile_scope, leakage_parts, trace is not None, scale > 0, num_warps, num_stages,
+    )  # fmt: skip
     # fmt: off
     launch_fitting(_attn_fwd, grid, (
         q, k, v, v_plain, o, o if o_prime is None else o_prime, lse,
@@ -1745,26 +1817,6 @@ def attention_forward(
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), *v_plain.stride(),
         o.stride(0), o.stride(1), o.stride(2),
-        H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E, *sr_table), dict(
-        HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, REVERSE=reverse,
-        LAZY=lazy_log2 is not None, LAZY_LOG2=lazy_log2 or 0.0, ROW_SUM_Q=row_sum_quantized,
-        PV_FP8=pv_fp8,
-        MODE=pq.MODE, LIFT=pq.LIFT, EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2],
-        E_MAX=pq.ELEM[3], SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2],
-        S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
-        RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
-        LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
-        ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=o_prime is not None,
-        SAVE_M=m_ref is not None, SR=pq.SR, SR_BITS=pq.SR_BITS,
-        SMOOTH_Q=mean_scores is not None, TILE_SCOPE=tile_scope, P_SHIFT=pq.shift,
-        LEAK_PARTS=_LEAK_PARTS[leakage_parts],
-        **_accumulate_in_dot(pq, o_prime is not None or trace is not None or tile_scope
-                             or leakage_block > 0, pv_fp8, reference != "running"),
-        **_z_in_one_fma(pq, scale, trace is not None, mean_scores is not None, tile_scope),
-        **instrument,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        enable_fp_fusion=FP_FUSION,
-    ))
+        H, H // Hk, Sq, Sk, anchor_margin * scale * LOG2E, *sr_table), constants)
     # fmt: on
     return o, lse

@@ -37,7 +37,7 @@ import os
 
 import torch
 
-__all__ = ["launch", "direct"]
+__all__ = ["launch", "direct", "static_key"]
 
 _COMPILED: dict = {}  # key -> (compiled kernel, its constexpr values in order, fixed constants)
 _MAX_ENTRIES = 4096
@@ -49,21 +49,22 @@ def direct() -> bool:
 
 
 def launch(kernel, grid: tuple, args: tuple, constants: dict, options: dict,
-           fixed: bool = False):
+           fixed: bool = False, static: tuple | None = None):
     """``kernel[grid](*args, **constants, **options)``, the compiled kernel called directly
     where this signature ran before (module docstring). `args` fill the kernel's first
     parameters in order; `constants` name the rest (those left out take their defaults);
     `options` are the launch options (num_warps, num_stages, enable_fp_fusion). `fixed`: the
     caller's plan fixes every scalar argument and constant with this `constants` object,
-    which is then keyed by identity. Returns the compiled kernel (None where `triton.jit`
-    launched nothing)."""
+    which is then keyed by identity. `static`: `static_key(constants, options)` where the
+    caller has it already (so that it is not built twice). Returns the compiled
+    kernel (None where `triton.jit` launched nothing)."""
     if not direct():
         return kernel[grid](*args, **constants, **options)
-    opts = (tuple(sorted(options.items())), _current_device())
     if fixed:
-        key = (kernel, _tensors(args), id(constants), opts)
+        key = (kernel, _tensors(args), id(constants), _options_key(options), _current_device())
     else:
-        key = (kernel, _signature(args), tuple(sorted(constants.items())), opts)
+        static = static_key(constants, options) if static is None else static
+        key = (kernel, _signature(args), static, _current_device())
     entry = _COMPILED.get(key)
     if entry is not None and (not fixed or entry[2] is constants):
         compiled, values, _ = entry
@@ -79,29 +80,34 @@ def launch(kernel, grid: tuple, args: tuple, constants: dict, options: dict,
     return compiled
 
 
+def static_key(constants: dict, options: dict) -> tuple:
+    """The part of `launch`'s key a caller fixes: every constant and launch option by value."""
+    return tuple(sorted(constants.items())), _options_key(options)
+
+
+def _options_key(options: dict) -> tuple:
+    return tuple(sorted(options.items()))
+
+
 def _current_device() -> int:
     """The current CUDA device (-1 without one): a compiled kernel is loaded on the device
     current at its first launch, and `triton.jit` keeps one per device, so this key does too."""
     return torch.cuda.current_device() if torch.cuda.is_available() else -1
 
 
-def _tensor_key(a: torch.Tensor) -> tuple:
-    """What Triton specializes a tensor argument on: dtype, device, 16-byte alignment."""
-    return a.dtype, a.device.index, a.data_ptr() % 16 == 0
-
-
 def _tensors(args: tuple) -> tuple:
-    """The tensor arguments' `_tensor_key`s (a plan fixes the rest)."""
-    return tuple(_tensor_key(a) for a in args if isinstance(a, torch.Tensor))
+    """The tensor arguments' keys in `_signature` (a plan fixes the rest)."""
+    return tuple([k for k in _signature(args) if len(k) == 3])
 
 
 def _signature(args: tuple) -> tuple:
-    """Each argument as Triton could specialize on it, or finer: a tensor by `_tensor_key`, a
-    scalar (bool, int, float) by type and value, None as None."""
+    """Each argument as Triton could specialize on it, or finer: a tensor by dtype, device
+    index and whether its data pointer is 16-byte aligned, a scalar (bool, int, float) by type
+    and value, None as None. One loop without a call an argument (the forward has about 45)."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            out.append(_tensor_key(a))
+            out.append((a.dtype, a.device.index, a.data_ptr() % 16 == 0))
         elif a is None or isinstance(a, (bool, int, float)):
             out.append((type(a), a))
         else:

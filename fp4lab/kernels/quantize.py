@@ -1189,12 +1189,13 @@ def _run(kernel, grid: tuple, args: tuple, num_warps: int, constants: dict) -> N
         kernel[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **constants)
 
 
-def _run_planned(kernel, grid: tuple, args: tuple, num_warps: int, constants: dict) -> None:
+def _run_planned(kernel, grid: tuple, args: tuple, num_warps: int, constants: dict,
+                 interpreting: bool) -> None:
     """`_run` for a plan's launch, whose constants and runtime ints stay fixed with the plan:
     after the first launch of a specialization the compiled kernel is called directly
     (`fp4lab.kernels.launch`, its constants keyed by identity), skipping the binder's work
-    on ~80 arguments."""
-    if _interpreting():
+    on ~80 arguments. `interpreting`: the call's `_interpreting()` (`_Request`)."""
+    if interpreting:
         _run(kernel, grid, args, num_warps, constants)
         return
     launch(kernel, grid, args, constants, dict(num_warps=num_warps, enable_fp_fusion=False),
@@ -1219,6 +1220,7 @@ class _Request:
     seed: int | None
     stream: int
     config: LaunchConfig
+    interpreting: bool  # `_interpreting()`, read once per call
 
     @property
     def noise_kind(self) -> int:
@@ -1279,7 +1281,8 @@ def _request(x, spec, axis, rounding, batch_dims, noise, seed, stream, generator
         raise TypeError(f"config must be a LaunchConfig or None, got {type(config).__name__}")
     if noise is not None:
         noise = noise.to(device=x.device, dtype=torch.float64)
-    return _Request(spec, axis, batch_dims, rounding, noise, seed, stream, config)
+    return _Request(spec, axis, batch_dims, rounding, noise, seed, stream, config,
+                    _interpreting())
 
 
 # -- the passes ---------------------------------------------------------------------------------
@@ -1379,7 +1382,7 @@ def _blocks_plan(x: torch.Tensor, req: _Request, out_dtype, wants: tuple) -> _Bl
     noise = req.noise
     key = (id(req.spec), id(req.config), req.rounding, req.axis, req.batch_dims, x.dtype,
            tuple(x.shape), x.stride(), None if noise is None else noise.stride(),
-           req.noise_kind, out_dtype, wants, _interpreting())
+           req.noise_kind, out_dtype, wants, req.interpreting)
     plan = _PLANS.get(key)
     if plan is None or plan.spec is not req.spec or plan.config is not req.config:
         if len(_PLANS) > 1024:
@@ -1414,7 +1417,7 @@ def _make_blocks_plan(x: torch.Tensor, req: _Request, out_dtype, fake: bool, cod
     out_kind = NO_OUTPUT.value
     if fake:
         out_kind = _KINDS[out_dtype]
-        if out_dtype == torch.bfloat16 and _interpreting():
+        if out_dtype == torch.bfloat16 and req.interpreting:
             out_kind = BFLOAT16_BITS.value
     constants = dict(**tiling.constants, **_spec_constants(spec, req.rounding),
                      NOISE=req.noise_kind, IN_KIND=kind, OUT_KIND=out_kind,
@@ -1447,7 +1450,7 @@ def _run_blocks(x: torch.Tensor, plan: _BlocksPlan, req: _Request, outputs: _Out
     if plan.amax_constants is not None:
         _run_planned(_amax_kernel, plan.amax_grid,
              (xk, block_amax, tensor_amax, rows, cols, ppb, *planes.block, *plan.strides[:3],
-              *plan.strides[-3:]), 8, plan.amax_constants)
+              *plan.strides[-3:]), 8, plan.amax_constants, req.interpreting)
     if outputs.packed is not None and not plan.fused_pack and outputs.codes is None:
         outputs.codes = torch.empty(x.shape, dtype=spec.element.code_dtype, device=device)
     out = outputs.out
@@ -1457,7 +1460,7 @@ def _run_blocks(x: torch.Tensor, plan: _BlocksPlan, req: _Request, outputs: _Out
          (xk, noise, block_amax, tensor_amax, out, outputs.codes,
           outputs.packed if plan.fused_pack else None, outputs.scales, outputs.decode,
           rows, cols, ppb, *planes.block, *plan.strides, *_seed_words(req)),
-         req.config.num_warps, plan.constants)
+         req.config.num_warps, plan.constants, req.interpreting)
     if outputs.packed is not None and not plan.fused_pack:
         _pack(outputs.codes, outputs.packed, spec.element.bits)
 

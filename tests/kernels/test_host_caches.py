@@ -1,0 +1,146 @@
+"""What the host keeps between calls of `fp4lab.attention(..., backend="triton")` so that a call
+runs less Python (`backend._memo`, `flash._forward_constants`, `flash._split`, the launch's
+static key, the uniform recipe of a format's name): a call served from them gives the bits of
+one that made them, and anything they were made from that changes (a recipe, a format, a
+tile, a shape, a flag) makes a new entry instead of reusing one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import fp4lab  # noqa: E402
+from fp4lab.formats import registry  # noqa: E402
+from fp4lab.kernels import backend, flash, launch  # noqa: E402
+from fp4lab.recipes import resolve_recipe  # noqa: E402
+
+from .helpers import inputs, run  # noqa: E402
+
+
+@pytest.mark.parametrize("recipe", ["fa4fp4_causal", "fa3_fp8", "nvfp4"])
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_a_call_served_from_the_caches_is_the_call_that_made_them_bit_for_bit(recipe, causal):
+    q, k, v, do = inputs(1, 2, 2, 64, 64, 32, seed=11)
+    tiles = dict(block_m=32, block_n=32, causal=causal)
+    backend.clear_caches()
+    cold = run(q, k, v, do, recipe, **tiles)
+    warm = run(q, k, v, do, recipe, **tiles)
+    assert backend._MEMO and flash._forward_constants.cache_info().currsize
+    for name in cold:
+        assert torch.equal(cold[name], warm[name]), name
+
+
+def test_a_changed_recipe_or_format_makes_its_own_entries():
+    recipe = resolve_recipe("fa4fp4_causal")
+    other = dataclasses.replace(recipe, name="fa4fp4_causal_nvfp4_v", v=resolve_recipe("nvfp4").v)
+    assert other == dataclasses.replace(other)  # a copy equal by value is another object
+    route = backend._memo("route", recipe, "v", lambda: backend._operand_route(recipe, "v"))
+    again = backend._memo("route", other, "v", lambda: backend._operand_route(other, "v"))
+    assert route[0] is recipe.v and again[0] is other.v and route[1] != again[1]
+    assert backend.p_quantizer(recipe) is backend.p_quantizer(recipe)
+    nvfp4_p = dataclasses.replace(recipe, name="nvfp4_p", p=resolve_recipe("nvfp4").p)
+    assert backend.p_quantizer(nvfp4_p) != backend.p_quantizer(recipe)
+    # an equal copy is made anew (keyed by identity), to the same value
+    copy = dataclasses.replace(recipe)
+    assert backend.p_quantizer(copy) == backend.p_quantizer(recipe)
+    assert backend.backward_quantizers(copy) == backend.backward_quantizers(recipe)
+
+
+def test_the_memo_keeps_what_it_was_made_from_so_an_id_is_never_reused():
+    made = []
+    for i in range(3):
+        spec = dataclasses.replace(resolve_recipe("nvfp4"), name=f"throwaway_{i}")
+        made.append(backend._memo("test", spec, None, lambda spec=spec: spec.name))
+        del spec  # the entry holds it: its id cannot come back for another recipe
+    assert made == ["throwaway_0", "throwaway_1", "throwaway_2"]
+
+
+def test_a_format_name_gives_one_recipe_until_it_is_registered_anew(monkeypatch):
+    first, second = backend._resolved("nvfp4"), backend._resolved("nvfp4")
+    assert first is second and first == resolve_recipe("nvfp4")
+    spec = dataclasses.replace(registry.get("nvfp4"), name="host_cache_fmt")
+    monkeypatch.setitem(registry._REGISTRY, "host_cache_fmt", spec)
+    one = backend._resolved("host_cache_fmt")
+    assert one is backend._resolved("host_cache_fmt") and one.q is spec
+    replaced = dataclasses.replace(spec, name="host_cache_fmt", block=(32,))
+    monkeypatch.setitem(registry._REGISTRY, "host_cache_fmt", replaced)
+    assert backend._resolved("host_cache_fmt").q is replaced
+    with pytest.raises(ValueError, match="unknown name"):
+        backend._resolved("no_such_recipe_or_format")
+
+
+def test_checks_are_kept_only_when_they_pass_and_per_tiles_and_extents():
+    q, k, v = inputs(1, 1, 1, 64, 64, 32, seed=3)[:3]
+    recipe = resolve_recipe("fa3_fp8_paper")  # 2-D tiles of 128 rows: kernel tiles must fit
+    fp4lab.attention(q, k, v, recipe, backend="triton", block_m=64, block_n=64)
+    for _ in range(2):  # refused every time, never remembered as checked
+        with pytest.raises(NotImplementedError, match="whole number of kernel tiles"):
+            fp4lab.attention(q, k, v, recipe, backend="triton", block_m=64, block_n=48)
+
+
+def test_the_forward_constants_change_with_every_flag_and_keep_types_apart():
+    pq = backend.p_quantizer(resolve_recipe("fa4fp4_causal"))
+    base = dict(D=32, Dv=32, block_m=32, block_n=32, causal=False, reverse=False,
+                lazy_log2=None, row_sum_quantized=False, pv_fp8=False, pq=pq,
+                reference="running", anchor_keys=0, leakage_block=0, lse_log2=True,
+                prime=False, save_m=False, smooth_q=False, tile_scope=False,
+                leakage_parts="p_and_v", traced=False, positive_scale=True, num_warps=4,
+                num_stages=3)  # fmt: skip
+    one = flash._forward_constants(**base)
+    assert flash._forward_constants(**base) is one
+    changes = dict(causal=True, reverse=True, lazy_log2=2.0, row_sum_quantized=True,
+                   pv_fp8=True, pq=backend.p_quantizer(resolve_recipe("nvfp4")),
+                   reference="zero", leakage_block=16, lse_log2=False, prime=True, save_m=True,
+                   smooth_q=True, tile_scope=True, traced=True, positive_scale=False,
+                   num_warps=8, num_stages=2, D=64, block_n=64)  # fmt: skip
+    for name, value in changes.items():
+        other = flash._forward_constants(**{**base, name: value})
+        assert other != one, name
+    as_int = flash._forward_constants(**{**base, "causal": 0})
+    assert as_int is not flash._forward_constants(**base)  # typed: 0 is not False
+
+
+def test_launch_fitting_reads_each_constants_object_once_and_by_identity():
+    class Kernel:
+        fn = type("fn", (), {"__name__": "stand_in"})
+
+    kernel, constants = Kernel(), dict(BLOCK=16, num_warps=4, num_stages=3)
+    key, params, options = flash._split(kernel, constants)
+    assert params == dict(BLOCK=16) and options == dict(num_warps=4, num_stages=3)
+    assert key[2] == launch.static_key(params, options)
+    again = flash._split(kernel, constants)
+    assert again[0] is key and again[1] is params and again[2] is not options  # a fresh dict
+    equal = dict(constants)
+    assert flash._split(kernel, equal)[1] is not params  # another object: read anew
+    assert flash._split(Kernel(), constants)[1] is not params  # another kernel too
+
+
+def test_the_static_key_is_the_one_launch_builds():
+    calls = []
+
+    class Kernel:
+        params = []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(kwargs)
+
+    kernel, x = Kernel(), torch.zeros(4)
+    constants, options = dict(BLOCK=16), dict(num_warps=4)
+    launch.launch(kernel, (1,), (x, 3), constants, options)
+    launch.launch(kernel, (1,), (x, 3), constants, options,
+                  static=launch.static_key(constants, options))
+    assert calls == [dict(BLOCK=16, num_warps=4)] * 2  # no compiled kernel: through jit twice
+
+
+def test_the_deterministic_key_table_is_the_general_ones():
+    table, per = flash.sr_key_table((None, None, None), (False, False, False), ("a", "b", "c"),
+                                    6, "cpu")  # fmt: skip
+    assert per == 6 and torch.equal(table, torch.zeros(1, 3, 2, dtype=torch.int32))
+    stacked, per = flash.sr_key_table(((1, 2), None), (False, False), ("a", "b"), 6, "cpu")
+    assert per == 3 and stacked.shape == (2, 2, 2) and not stacked.any()  # not the fast path
+    with pytest.raises(ValueError, match="needs its stream"):
+        flash.sr_key_table((None,), (True,), ("a",), 2, "cpu")
