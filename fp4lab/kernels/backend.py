@@ -401,13 +401,15 @@ def _noise(x: torch.Tensor, recipe: AttentionRecipe, field: str, key: int | None
 
 
 def _operand(
-    x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, key=None, rows=None
+    x: torch.Tensor, recipe: AttentionRecipe, field: str, groups: int, key=None, rows=None,
+    amax=None,
 ):
     """(store, factor): the quantized operand as exact bf16 values and the fp32 factor they
     are multiplied by, one per (batch, head of x), or with tensor_scope=tile one per tile of
     `rows` rows of each (batch, head): (B, H, n tiles); a stochastic format rounds with the
     uniforms of its stream under the pass's key `key` (`_noise`), as the simulation does. The
-    route through the fused passes is chosen once per recipe and field (`_operand_route`)."""
+    route through the fused passes is chosen once per recipe and field (`_operand_route`).
+    `amax`: the quantizer's first-pass buffer (`_operands`), or None: it makes its own."""
     spec, route, axis, inverse = _memo("route", recipe, field, lambda: _operand_route(recipe,
                                                                                       field))
     scope = _Scope.of(x, recipe, groups, rows)
@@ -429,7 +431,7 @@ def _operand(
     view = scope.view(x)
     where = dict(axis=axis, batch_dims=scope.batch_dims)
     if route is _Route.ONE:  # codes times block scales in one fused pass
-        store = scope.back(fake_quantize(view, spec, **where)).to(store_dtype)
+        store = scope.back(fake_quantize(view, spec, amax=amax, **where)).to(store_dtype)
         return store.contiguous(), _ones(scope.factor_shape, x.device)
     if route is _Route.FIXED:  # a fixed power-of-two scale: the codes are the values over it
         values, _ = fake_quantize_stored(view, spec, StoredScale.ONE, out_dtype=store_dtype,
@@ -440,18 +442,64 @@ def _operand(
     if noise is not None:
         noise = scope.view(noise)
     if route is _Route.FACTORED:  # codes times block scales, the tensor scale as the factor
-        values, decode = fake_quantize_factored(view, spec, noise=noise, **where)
+        values, decode = fake_quantize_factored(view, spec, noise=noise, amax=amax, **where)
         return scope.back(values).to(store_dtype).contiguous(), scope.factor(decode)
     if route in (_Route.CODES, _Route.POWER):  # the slow path's arithmetic in one pass
         power = route is _Route.POWER
         stored = StoredScale.POWER if power else StoredScale.ONE
         values, scales = fake_quantize_stored(
-            view, spec, stored, noise=noise, out_dtype=store_dtype, **where
+            view, spec, stored, noise=noise, out_dtype=store_dtype, amax=amax, **where
         )
         if power:  # fl32(1 / M_e), as the slow path's ones / M_e rounds it
             return scope.back(values).contiguous(), _filled(scope.factor_shape, inverse, x.device)
         return scope.back(values).contiguous(), scope.factor(scales)
     return _quantized_operand(view, spec, scope, noise, where, store_dtype)
+
+
+def _operands(jobs: dict, recipe: AttentionRecipe, key=None) -> dict:
+    """`_operand` of each field -> (x, groups, rows) of `jobs`, the quantizers' first-pass
+    buffers cut from one zeroed buffer (`_first_passes`): one allocation and fill where each
+    quantizer made its own. The same bits: each pass reads only its own zeroed slice."""
+    signature = tuple([(f, tuple(x.shape), g, r) for f, (x, g, r) in jobs.items()])
+    slices, total = _memo("first passes", recipe, signature,
+                          lambda: _first_passes(recipe, signature))
+    buffer = None
+    if total:
+        device = next(iter(jobs.values()))[0].device
+        buffer = torch.zeros(total, dtype=torch.int32, device=device)
+    return {
+        field: _operand(x, recipe, field, groups, key, rows,
+                        None if field not in slices else buffer[slices[field]])
+        for field, (x, groups, rows) in jobs.items()
+    }  # fmt: skip
+
+
+def _first_passes(recipe: AttentionRecipe, signature: tuple) -> tuple[dict, int]:
+    """({field: its slice}, elements) of one int32 buffer for the first passes of the
+    operands of `signature` ((field, shape, groups, rows) each): each slice
+    `fp4lab.kernels.quantize.first_pass_elements` long, starting 16-byte aligned as a buffer
+    of its own would (`quantize._aligned`); fields whose quantizer needs none are left out."""
+    from fp4lab.kernels.quantize import _aligned
+
+    slices, total = {}, 0
+    for field, shape, groups, rows in signature:
+        n = _first_pass(shape, recipe, field, groups, rows)
+        if n:
+            slices[field], total = slice(total, total + n), _aligned(total + n)
+    return slices, total
+
+
+def _first_pass(shape: tuple, recipe: AttentionRecipe, field: str, groups: int, rows) -> int:
+    """The int32 elements operand `field` (x of `shape`)'s quantizer accumulates its first
+    pass into (`_operand`'s fused passes; 0 for the others, which make their own where they
+    need it)."""
+    from fp4lab.kernels.quantize import first_pass_elements
+
+    spec, route, axis, _ = _memo("route", recipe, field, lambda: _operand_route(recipe, field))
+    if route not in (_Route.ONE, _Route.FACTORED, _Route.CODES, _Route.POWER):
+        return 0
+    scope = _Scope(shape, *_Scope.scoping(recipe, groups, rows))
+    return first_pass_elements(scope.view_shape, spec, axis=axis, batch_dims=scope.batch_dims)
 
 
 class _Route(enum.Enum):
@@ -564,15 +612,30 @@ class _Scope:
 
     @classmethod
     def of(cls, x: torch.Tensor, recipe: AttentionRecipe, groups: int, rows: int | None):
+        return cls(x.shape, *cls.scoping(recipe, groups, rows))
+
+    @staticmethod
+    def scoping(recipe: AttentionRecipe, groups: int, rows: int | None) -> tuple:
+        """(batch_dims, groups, rows) of the recipe's tensor scope."""
         if recipe.tensor_scope is TensorScope.TILE:
             if rows is None:
                 raise ValueError(
                     f"rows: recipe {recipe.name!r} takes its tensor scales per tile "
                     "(tensor_scope=tile) and needs the tile's rows"
                 )
-            return cls(x.shape, 3, 1, rows)
+            return 3, 1, rows
         per_head = recipe.tensor_scope is TensorScope.HEAD
-        return cls(x.shape, 2 if per_head else 0, groups, None)
+        return (2 if per_head else 0), groups, None
+
+    @property
+    def view_shape(self) -> tuple:
+        """The shape of `view`'s result."""
+        b, h, n, e = self.shape
+        if self.rows is not None:
+            return (b, h, -(-n // self.rows), self.rows, e)
+        if self.batch_dims == 2:
+            return (b, h // self.groups, self.groups, n, e)
+        return (b, h, n, e)
 
     def view(self, x: torch.Tensor) -> torch.Tensor:
         b, h, n, e = self.shape
@@ -837,11 +900,8 @@ def quantize_operands(q, k, v, recipe: AttentionRecipe, key: int | None = None, 
     per key tile of K and V)."""
     g = q.shape[1] // k.shape[1]
     bm, bn = tiles if tiles is not None else (None, None)
-    (qs, qf), (ks, kf), (vs, vf) = (
-        _operand(q, recipe, "q", g, key, bm),
-        _operand(k, recipe, "k", 1, key, bn),
-        _operand(v, recipe, "v", 1, key, bn),
-    )
+    ops = _operands(dict(q=(q, g, bm), k=(k, 1, bn), v=(v, 1, bn)), recipe, key)
+    (qs, qf), (ks, kf), (vs, vf) = ops["q"], ops["k"], ops["v"]
     if any(f.ndim == 3 for f in (qf, kf, vf)):  # per-tile factors: per-head ones over tiles
         n_q, n_k = -(-q.shape[2] // bm), -(-k.shape[2] // bn)
         qf, kf, vf = (
@@ -974,14 +1034,17 @@ def backward_operands(do, saved: dict, recipe: AttentionRecipe, keys=(None, None
     g = q.shape[1] // k.shape[1]
     fwd_key, key = keys
     do = do.contiguous()
-    do_dv, do_dp = (_operand(do, recipe, f, g, key, block_m) for f in ("dv_do", "dp_do"))
+    jobs = dict(dv_do=(do, g, block_m), dp_do=(do, g, block_m))
     if recipe.backward is BackwardMode.FLASH:
-        if recipe.backward_v is BackwardV.FORWARD:  # V^ as the forward represented it
-            v_dp = v_hat if recipe.dp_v is None else _operand(
-                _dequantized(v, recipe, fwd_key), recipe, "dp_v", 1, key)  # fmt: skip
-        else:
-            v_dp = _operand(v, recipe, "dp_v", 1, key)
-        k_dq, q_dk = _operand(k, recipe, "dq_k", 1, key), _operand(q, recipe, "dk_q", g, key)
+        if recipe.backward_v is not BackwardV.FORWARD:
+            jobs["dp_v"] = (v, 1, None)
+        elif recipe.dp_v is not None:  # V^ as the forward represented it, quantized again
+            jobs["dp_v"] = (_dequantized(v, recipe, fwd_key), 1, None)
+        jobs.update(dq_k=(k, 1, None), dk_q=(q, g, None))
+    ops = _operands(jobs, recipe, key)
+    do_dv, do_dp = ops["dv_do"], ops["dp_do"]
+    if recipe.backward is BackwardMode.FLASH:
+        v_dp, k_dq, q_dk = ops.get("dp_v", v_hat), ops["dq_k"], ops["dk_q"]
     else:  # straight through the forward's quantizers: its Q^, K^, V^
         v_dp, k_dq, q_dk = v_hat, k_hat, q_hat
     q_mean, shift = saved.get("q_mean"), None

@@ -1770,10 +1770,10 @@ def attention_forward(
     o = torch.empty(B, H, Sq, Dv, dtype=out_dtype or q.dtype, device=q.device)  # bf16 (fp32
     # interpreted) unless out_dtype says otherwise
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(Sq, block_m), B * H)
+    n_q, n_k = -(-Sq // block_m), -(-Sk // block_n)  # triton.cdiv's, without its calls
+    grid = (n_q, B * H)
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
-    n_k = triton.cdiv(Sk, block_n)
-    tile_scope = _check_factors((qf, kf, vf), B, H, Hk, triton.cdiv(Sq, block_m), n_k)
+    tile_scope = _check_factors((qf, kf, vf), B, H, Hk, n_q, n_k)
     if m_ref is not None and (m_ref.shape != (B, H, Sq, n_k) or not m_ref.is_contiguous()):
         raise ValueError(f"m_ref must be a contiguous {(B, H, Sq, n_k)} tensor, got "
                          f"{tuple(m_ref.shape)}")  # fmt: skip
@@ -1782,7 +1782,6 @@ def attention_forward(
             f"o_prime must be shaped and laid out as the output {tuple(o.shape)}, got "
             f"{tuple(o_prime.shape)} with strides {o_prime.stride()}"
         )
-    n_q = triton.cdiv(Sq, block_m)
     if mean_scores is not None and (
         mean_scores.shape != (B, H, n_q, Sk) or mean_scores.dtype != torch.float32
         or not mean_scores.is_contiguous()

@@ -94,7 +94,7 @@ from fp4lab.kernels.random import philox4x32, uniform53
 __all__ = [
     "LaunchConfig", "FAKE_QUANTIZE_CONFIG", "CODES_CONFIG", "PackedQuantized", "fake_quantize",
     "fake_quantize_factored", "fake_quantize_stored", "StoredScale", "quantize",
-    "quantize_packed", "philox_noise",
+    "quantize_packed", "philox_noise", "first_pass_elements",
 ]
 
 # -- compile-time codes of the enums (the kernels branch on them) -------------------------------
@@ -1221,6 +1221,7 @@ class _Request:
     stream: int
     config: LaunchConfig
     interpreting: bool  # `_interpreting()`, read once per call
+    amax: torch.Tensor | None = None  # the first pass's zeroed int32 buffer, or None: made
 
     @property
     def noise_kind(self) -> int:
@@ -1263,7 +1264,7 @@ def _check_noise(noise, seed, stream, x: torch.Tensor, stochastic: bool) -> None
 
 
 def _request(x, spec, axis, rounding, batch_dims, noise, seed, stream, generator,
-             config) -> _Request:
+             config, amax=None) -> _Request:
     """Every argument checked, as the reference checks it where it takes the same one."""
     _check_x(x)
     spec = resolve_spec(spec)
@@ -1281,8 +1282,12 @@ def _request(x, spec, axis, rounding, batch_dims, noise, seed, stream, generator
         raise TypeError(f"config must be a LaunchConfig or None, got {type(config).__name__}")
     if noise is not None:
         noise = noise.to(device=x.device, dtype=torch.float64)
+    if amax is not None and not (isinstance(amax, torch.Tensor) and amax.dtype == torch.int32
+                                 and amax.ndim == 1 and amax.device == x.device):
+        raise ValueError("amax must be a 1-D int32 tensor on x's device (a zeroed buffer of "
+                         "first_pass_elements(...) elements) or None")
     return _Request(spec, axis, batch_dims, rounding, noise, seed, stream, config,
-                    _interpreting())
+                    _interpreting(), amax)
 
 
 # -- the passes ---------------------------------------------------------------------------------
@@ -1324,8 +1329,14 @@ def _scale_strides(planes: _Planes, scales: torch.Tensor | None) -> tuple[int, i
 
 
 def _seed_words(req: _Request) -> tuple[int, int, int]:
-    lo, hi = philox.split_key(req.seed or 0)
-    return _signed_word(lo), _signed_word(hi), _signed_word(req.stream)
+    return _key_words(req.seed or 0, req.stream)
+
+
+@functools.lru_cache(maxsize=256)
+def _key_words(seed: int, stream: int) -> tuple[int, int, int]:
+    """The kernels' (seed_lo, seed_hi, stream) words of a Philox seed and stream, as int32s."""
+    lo, hi = philox.split_key(seed)
+    return _signed_word(lo), _signed_word(hi), _signed_word(stream)
 
 
 def _bits_view(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -1356,6 +1367,8 @@ class _BlocksPlan:
         block_amax_shape: the first pass's block buffer, or None.
         fused_pack: the kernel packs the FP4 codes itself.
         amax_grid, amax_constants: the first pass, or None where the format needs none.
+        amax_layout: its buffer as (block amax elements, the tensor amax's offset, all
+            elements): one int32 buffer for both (`first_pass_elements`).
         grid, constants: the quantize kernel.
     """
 
@@ -1369,6 +1382,7 @@ class _BlocksPlan:
     fused_pack: bool
     amax_grid: tuple[int, int, int]
     amax_constants: dict | None
+    amax_layout: tuple[int, int, int]
     grid: tuple[int, int, int]
     constants: dict
 
@@ -1425,12 +1439,44 @@ def _make_blocks_plan(x: torch.Tensor, req: _Request, out_dtype, fake: bool, cod
                      WRITE_SCALES=scales, FACTORED=factored, STORED=stored)
     ss = _flat_strides(planes.scales_shape, planes.scale_groups) if scales else (0, 0, 0)
     strides = (*sx, *sn, *flat, *ss, nbr * nbc, nbc, 1)
+    n_block = planes.sizes[0] * nbr * nbc if needs_block_amax else 0
+    offset = _aligned(n_block)
+    layout = (n_block, offset, offset + planes.batches if spec.tensor_scale else n_block)
     return _BlocksPlan(
         spec=spec, config=req.config, planes=planes, copy_x=copy_x, copy_noise=copy_noise,
         strides=strides, block_amax_shape=(planes.sizes[0], nbr, nbc) if needs_block_amax
         else None, fused_pack=fused, amax_grid=tiling.amax_grid, amax_constants=amax_constants,
-        grid=tiling.grid, constants=constants,
+        amax_layout=layout, grid=tiling.grid, constants=constants,
     )
+
+
+_ALIGN = 32  # int32 elements (128 bytes) between the starts of buffers cut from one
+
+
+def _aligned(n: int) -> int:
+    """n rounded up to whole `_ALIGN`s: a buffer starting there keeps its pointer 16-byte
+    aligned (Triton's pointer specialization) when cut from a larger one."""
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def first_pass_elements(shape, spec: QuantSpec | str, *, axis: int = -1, batch_dims: int = 0,
+                        config: LaunchConfig | None = None) -> int:
+    """The int32 elements the first pass accumulates into (block amaxes, then the tensor
+    amaxes, each batch of tensors' `_aligned`) for x of `shape` quantized as `fake_quantize`,
+    `fake_quantize_factored` and `fake_quantize_stored` take it with these arguments; 0
+    where the format needs no first pass. A caller quantizing several tensors can make one
+    zeroed buffer for all of them and hand each its slice (`amax=`), whose start it keeps at
+    a multiple of 32 elements (`_aligned`) so that every slice stays 16-byte aligned."""
+    spec = resolve_spec(spec)
+    shape = tuple(shape)
+    axis = _normalize_axis(axis, len(shape), spec, batch_dims)
+    if spec.correction is Correction.EDEN:
+        return 0  # MS-EDEN's passes make their own (`_run_eden`)
+    planes = _planes(shape, spec, axis, batch_dims)
+    tiling = _tiling(planes, FAKE_QUANTIZE_CONFIG if config is None else config)
+    nbr, nbc = planes.block_counts
+    n_block = planes.sizes[0] * nbr * nbc if tiling.in_buffer and spec.fixed_scale is None else 0
+    return _aligned(n_block) + planes.batches if spec.tensor_scale else n_block
 
 
 def _run_blocks(x: torch.Tensor, plan: _BlocksPlan, req: _Request, outputs: _Outputs) -> None:
@@ -1442,10 +1488,17 @@ def _run_blocks(x: torch.Tensor, plan: _BlocksPlan, req: _Request, outputs: _Out
     if noise is not None and plan.copy_noise:
         noise = noise.contiguous()
     block_amax = tensor_amax = None
+    n_block, offset, total = plan.amax_layout
+    amax = req.amax
+    if total and amax is None:  # one buffer for both, zeroed
+        amax = torch.zeros(total, dtype=torch.int32, device=device)
+    elif total and amax.numel() < total:
+        raise ValueError(f"amax: {amax.numel()} elements, the first pass needs {total} "
+                         "(first_pass_elements)")
     if plan.block_amax_shape is not None:
-        block_amax = torch.zeros(plan.block_amax_shape, dtype=torch.int32, device=device)
+        block_amax = amax[:n_block].view(plan.block_amax_shape)
     if spec.tensor_scale:
-        tensor_amax = torch.zeros(planes.batches, dtype=torch.int32, device=device)
+        tensor_amax = amax[offset:total]
     (_, rows, cols), ppb = planes.sizes, planes.planes_per_batch
     if plan.amax_constants is not None:
         _run_planned(_amax_kernel, plan.amax_grid,
@@ -1626,6 +1679,7 @@ def fake_quantize(
     stream: int = 0,
     generator: None = None,
     config: LaunchConfig | None = None,
+    amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """quantize then dequantize to x's dtype on the GPU: the bits of the reference's
     `fp4lab.formats.fake_quantize` (arguments as there); the gradient passes straight through.
@@ -1634,9 +1688,12 @@ def fake_quantize(
     element i rounded with noise[i]) or draws them in the kernel from Philox4x32 keyed by
     `seed` at each element's row-major position and `stream` (`philox_noise` gives the same
     uniforms as a tensor). `generator` is refused: its stream cannot be reproduced in a kernel.
-    `config` sets tiles and warps (never the result; None: `FAKE_QUANTIZE_CONFIG`)."""
+    `config` sets tiles and warps (never the result; None: `FAKE_QUANTIZE_CONFIG`). `amax`: a
+    zeroed int32 buffer of at least `first_pass_elements` elements for the first pass (a
+    slice of one made for several calls), or None: one is made."""
     config = FAKE_QUANTIZE_CONFIG if config is None else config
-    req = _request(x, spec, axis, rounding, batch_dims, noise, seed, stream, generator, config)
+    req = _request(x, spec, axis, rounding, batch_dims, noise, seed, stream, generator, config,
+                   amax)
     if x.requires_grad and torch.is_grad_enabled():
         return _FakeQuantize.apply(x, req)
     return _compute(x, req, fake=True)[0].out
@@ -1645,6 +1702,7 @@ def fake_quantize(
 def fake_quantize_factored(
     x: torch.Tensor, spec: QuantSpec | str, *, axis: int = -1, batch_dims: int = 0,
     noise: torch.Tensor | None = None, config: LaunchConfig | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, decode) in one fused pass after the tensor amax: values the elements times
     their block scales in x's dtype, without the tensor scale, and decode that tensor scale
@@ -1652,10 +1710,10 @@ def fake_quantize_factored(
     result up to its final rounding. For a block format with a tensor scale, no Hadamard
     transform, MS-EDEN or alpha grid: what the attention kernels read (E2M1 times an E4M3
     scale is exact in bf16; the tensor scale is not, and stays a factor). A stochastic
-    format rounds with `noise` (uniforms of x's shape, as `fake_quantize` takes them).
-    Not differentiable."""
+    format rounds with `noise` (uniforms of x's shape, as `fake_quantize` takes them), `amax`
+    as `fake_quantize` takes it. Not differentiable."""
     req = _request(x, spec, axis, None, batch_dims, noise, None, 0, None,
-                   FAKE_QUANTIZE_CONFIG if config is None else config)
+                   FAKE_QUANTIZE_CONFIG if config is None else config, amax)
     spec = req.spec
     if not spec.tensor_scale or spec.hadamard is not None or (
         spec.correction is Correction.EDEN or spec.scale_rule.alpha_grid
@@ -1685,6 +1743,7 @@ def fake_quantize_stored(
     x: torch.Tensor, spec: QuantSpec | str, stored: StoredScale, *, axis: int = -1,
     batch_dims: int = 0, noise: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32, config: LaunchConfig | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(values, scales) in one fused pass (after the first pass where the format needs one):
     values each element's value times `stored`'s multiplier (`StoredScale`) rounded once into
@@ -1692,14 +1751,14 @@ def fake_quantize_stored(
     own CUDA cast uses, NaN included), and with StoredScale.ONE the float32 block scales as
     `quantize` writes them (None with POWER). For a block format without a tensor scale,
     Hadamard transform or MS-EDEN (POWER: with an alpha grid); a stochastic format rounds
-    with `noise`. What the attention kernels read where a scale cannot be folded into bf16
-    values. Not differentiable."""
+    with `noise`, `amax` as `fake_quantize` takes it. What the attention kernels read where a
+    scale cannot be folded into bf16 values. Not differentiable."""
     if not isinstance(stored, StoredScale):
         raise TypeError(f"stored must be a StoredScale, got {type(stored).__name__}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     req = _request(x, spec, axis, None, batch_dims, noise, None, 0, None,
-                   FAKE_QUANTIZE_CONFIG if config is None else config)
+                   FAKE_QUANTIZE_CONFIG if config is None else config, amax)
     spec = req.spec
     power = stored is StoredScale.POWER
     if spec.tensor_scale or spec.hadamard is not None or (

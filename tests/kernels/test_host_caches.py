@@ -18,7 +18,7 @@ from fp4lab.formats import registry  # noqa: E402
 from fp4lab.kernels import backend, flash, launch  # noqa: E402
 from fp4lab.recipes import resolve_recipe  # noqa: E402
 
-from .helpers import inputs, run  # noqa: E402
+from .helpers import DEVICE, inputs, run  # noqa: E402
 
 
 @pytest.mark.parametrize("recipe", ["fa4fp4_causal", "fa3_fp8", "nvfp4"])
@@ -144,3 +144,63 @@ def test_the_deterministic_key_table_is_the_general_ones():
     assert per == 3 and stacked.shape == (2, 2, 2) and not stacked.any()  # not the fast path
     with pytest.raises(ValueError, match="needs its stream"):
         flash.sr_key_table((None,), (True,), ("a",), 2, "cpu")
+
+
+# -- the first passes' one buffer ---------------------------------------------------------------
+@pytest.mark.parametrize("name", ["nvfp4", "fp8_e4m3_tensor", "mxfp4", "fp8_e4m3_x4"])
+@pytest.mark.parametrize("batch_dims", [0, 2])
+def test_first_pass_elements_is_what_the_quantizer_would_make(name, batch_dims):
+    from fp4lab.kernels import quantize
+
+    x = torch.randn(2, 3, 1, 40, 32).to(DEVICE, torch.bfloat16)
+    spec = registry.get(name)
+    n = quantize.first_pass_elements(x.shape, spec, axis=-1, batch_dims=batch_dims)
+    req = quantize._request(x, spec, -1, None, batch_dims, None, None, 0, None,
+                            quantize.FAKE_QUANTIZE_CONFIG)  # fmt: skip
+    plan = quantize._blocks_plan(x, req, torch.float32, (True, False, False, True, False, 1))
+    assert n == plan.amax_layout[2]
+    assert (n > 0) == (plan.amax_constants is not None)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "fp8_e4m3_tensor"])
+def test_a_slice_of_a_shared_buffer_gives_the_bits_of_a_buffer_of_its_own(name):
+    from fp4lab.kernels import quantize
+
+    spec = registry.get(name)
+    x = (torch.randn(2, 3, 40, 32) * 7).to(DEVICE, torch.bfloat16)
+    n = quantize.first_pass_elements(x.shape, spec, batch_dims=2)
+    shared = torch.zeros(32 + n + 5, dtype=torch.int32, device=DEVICE)
+    if spec.tensor_scale:
+        run = lambda **kw: quantize.fake_quantize_factored(x, spec, batch_dims=2, **kw)  # noqa: E731
+    else:
+        run = lambda **kw: quantize.fake_quantize_stored(  # noqa: E731
+            x, spec, quantize.StoredScale.ONE, batch_dims=2, out_dtype=torch.bfloat16, **kw)
+    own, cut = run(), run(amax=shared[32:32 + n])
+    for a, b in zip(own, cut, strict=True):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    with pytest.raises(ValueError, match="first pass needs"):
+        run(amax=torch.zeros(n - 1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="int32"):
+        run(amax=torch.zeros(n, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fa3_fp8", "fa4fp4_causal", "attn_qat_kernel"])
+def test_operands_sharing_one_first_pass_buffer_are_each_quantized_alone(recipe):
+    recipe = resolve_recipe(recipe)
+    q, k, v = inputs(2, 4, 2, 72, 72, 32, seed=9)[:3]
+    shared = backend.quantize_operands(q, k, v, recipe, tiles=(32, 32))
+    g = q.shape[1] // k.shape[1]
+    alone = [backend._operand(x, recipe, f, groups, None, rows)
+             for x, f, groups, rows in ((q, "q", g, 32), (k, "k", 1, 32), (v, "v", 1, 32))]
+    for (store, factor), got_store, got_factor, f in zip(alone, shared[:3], shared[3], "qkv",
+                                                         strict=True):  # fmt: skip
+        assert torch.equal(store, got_store), f
+        if factor.ndim < got_factor.ndim:  # per head, spread over the tiles of a per-tile one
+            factor = factor[:, :, None].expand_as(got_factor)
+        assert torch.equal(factor, got_factor), f
+    slices, total = backend._memo(
+        "first passes", recipe,
+        (("q", tuple(q.shape), g, 32), ("k", tuple(k.shape), 1, 32), ("v", tuple(v.shape), 1, 32)),
+        lambda: None)  # fmt: skip
+    assert all(s.start % 32 == 0 for s in slices.values()) and total % 32 == 0
