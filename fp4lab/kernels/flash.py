@@ -1653,18 +1653,18 @@ def _forward_constants(
     lazy_log2: float | None, row_sum_quantized: bool, pv_fp8: bool, pq: PQuantizer,
     reference: str, anchor_keys: int, leakage_block: int, lse_log2: bool, prime: bool,
     save_m: bool, smooth_q: bool, tile_scope: bool, leakage_parts: str, traced: bool,
-    positive_scale: bool, num_warps: int, num_stages: int,
+    accumulate: tuple, fused: tuple, num_warps: int, num_stages: int,
 ) -> dict:
     """`_attn_fwd`'s constants and launch options for one configuration of
     `attention_forward` (what it takes besides tensors, shapes and scalar arguments), made
     once and shared: one object per configuration, which `launch_fitting` reads once
-    (`_split`). Nothing writes it. Typed, so that 1 and True are not one entry."""
+    (`_split`). Nothing writes it. Typed, so that 1 and True are not one entry. `accumulate`
+    and `fused`: the items of `_accumulate_in_dot`'s and `_z_in_one_fma`'s choices, which
+    the caller makes each call (a benchmark or test that patches them is heard)."""
     instrument = {}
     if traced:  # without it the kernel is compiled with TRACE's defaults
         under, over = _scale_bounds(pq)
         instrument = dict(TRACE=True, N_STATS=len(FORWARD_STATS), UNDER=under, OVER=over)
-    fixed = reference != "running"
-    per_tile = prime or traced or tile_scope or leakage_block > 0
     # fmt: off
     return dict(
         HEAD_DIM=D, V_DIM=Dv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, REVERSE=reverse,
@@ -1674,13 +1674,13 @@ def _forward_constants(
         E_MAX=pq.ELEM[3], SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2],
         S_MAX=pq.SCALE[3], E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK,
         RULE=pq.RULE, ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
-        LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=fixed,
+        LOG2_ME=math.log2(pq.ELEM[3]), REF=_REFERENCES[reference], FIXED=reference != "running",
         ANCHOR_KEYS=anchor_keys, LEAK=leakage_block, LSE_LOG2=lse_log2, PRIME=prime,
         SAVE_M=save_m, SR=pq.SR, SR_BITS=pq.SR_BITS,
         SMOOTH_Q=smooth_q, TILE_SCOPE=tile_scope, P_SHIFT=pq.shift,
         LEAK_PARTS=_LEAK_PARTS[leakage_parts],
-        **_accumulate_in_dot(pq, per_tile, pv_fp8, fixed),
-        **_z_in_one_fma(pq, 1.0 if positive_scale else 0.0, traced, smooth_q, tile_scope),
+        **dict(accumulate),
+        **dict(fused),
         **instrument,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -1801,11 +1801,15 @@ def attention_forward(
         )
     spare = lse  # a pointer for the buffers an uninstrumented kernel never touches
     pv_fp8 = v.dtype == torch.float8_e4m3fn
+    accumulate = _accumulate_in_dot(pq, o_prime is not None or trace is not None or tile_scope
+                                    or leakage_block > 0, pv_fp8, reference != "running")
+    fused = _z_in_one_fma(pq, scale, trace is not None, mean_scores is not None, tile_scope)
     constants = _forward_constants(
         D, Dv, block_m, block_n, bool(causal), bool(reverse), lazy_log2,
         bool(row_sum_quantized), pv_fp8, pq, reference, anchor_keys, leakage_block,
         bool(lse_log2), o_prime is not None, m_ref is not None, mean_scores is not None,
-        tile_scope, leakage_parts, trace is not None, scale > 0, num_warps, num_stages,
+        tile_scope, leakage_parts, trace is not None, tuple(accumulate.items()),
+        tuple(fused.items()), num_warps, num_stages,
     )  # fmt: skip
     # fmt: off
     launch_fitting(_attn_fwd, grid, (

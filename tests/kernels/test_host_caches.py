@@ -88,14 +88,14 @@ def test_the_forward_constants_change_with_every_flag_and_keep_types_apart():
                 lazy_log2=None, row_sum_quantized=False, pv_fp8=False, pq=pq,
                 reference="running", anchor_keys=0, leakage_block=0, lse_log2=True,
                 prime=False, save_m=False, smooth_q=False, tile_scope=False,
-                leakage_parts="p_and_v", traced=False, positive_scale=True, num_warps=4,
-                num_stages=3)  # fmt: skip
+                leakage_parts="p_and_v", traced=False, accumulate=(("ACC_DOT", True),),
+                fused=(("Z_FMA", True),), num_warps=4, num_stages=3)  # fmt: skip
     one = flash._forward_constants(**base)
     assert flash._forward_constants(**base) is one
     changes = dict(causal=True, reverse=True, lazy_log2=2.0, row_sum_quantized=True,
                    pv_fp8=True, pq=backend.p_quantizer(resolve_recipe("nvfp4")),
                    reference="zero", leakage_block=16, lse_log2=False, prime=True, save_m=True,
-                   smooth_q=True, tile_scope=True, traced=True, positive_scale=False,
+                   smooth_q=True, tile_scope=True, traced=True, accumulate=(), fused=(),
                    num_warps=8, num_stages=2, D=64, block_n=64)  # fmt: skip
     for name, value in changes.items():
         other = flash._forward_constants(**{**base, name: value})
@@ -204,3 +204,21 @@ def test_operands_sharing_one_first_pass_buffer_are_each_quantized_alone(recipe)
         (("q", tuple(q.shape), g, 32), ("k", tuple(k.shape), 1, 32), ("v", tuple(v.shape), 1, 32)),
         lambda: None)  # fmt: skip
     assert all(s.start % 32 == 0 for s in slices.values()) and total % 32 == 0
+
+
+def test_a_patched_accumulation_choice_is_heard_after_the_constants_were_made(monkeypatch):
+    # benchmarks/bench_fwd_launch.py's "noacc" variant patches `_accumulate_in_dot` after
+    # "base" ran the same configuration: the forward's constants must follow it
+    seen = []
+    launch_fitting = flash.launch_fitting
+
+    def recording(kernel, grid, args, constants):
+        seen.append("ACC_UNITS" in constants)
+        return launch_fitting(kernel, grid, args, constants)
+
+    monkeypatch.setattr(flash, "launch_fitting", recording)
+    q, k, v = inputs(1, 1, 1, 32, 32, 32, seed=4)[:3]
+    fp4lab.attention(q, k, v, "nvfp4", backend="triton", block_m=32, block_n=32)
+    monkeypatch.setattr(flash, "_accumulate_in_dot", lambda *args: {})
+    fp4lab.attention(q, k, v, "nvfp4", backend="triton", block_m=32, block_n=32)
+    assert seen == [True, False]
