@@ -102,15 +102,23 @@ def _tensors(args: tuple) -> tuple:
 
 def _signature(args: tuple) -> tuple:
     """Each argument as Triton could specialize on it, or finer: a tensor by dtype, device
-    index and whether its data pointer is 16-byte aligned, a scalar (bool, int, float) by type
-    and value, None as None. One loop without a call an argument (the forward has about 45)."""
+    index and whether its data pointer is 16-byte aligned, a tensor descriptor by its base's
+    and its block shape and layout, a scalar (bool, int, float) by type and value, None as
+    None. One loop without a call an argument (the forward has about 45)."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
             out.append((a.dtype, a.device.index, a.data_ptr() % 16 == 0))
         elif a is None or isinstance(a, (bool, int, float)):
             out.append((type(a), a))
+        elif hasattr(a, "block_shape") and isinstance(getattr(a, "base", None), torch.Tensor):
+            # a TMA tensor descriptor (Gluon's `TensorDescriptor`, `fp4lab.kernels.gluon_fwd`):
+            # Triton specializes on its dtype, block shape and shared layout; its shape and
+            # strides go into the tensor map the launcher builds at every call
+            b = a.base
+            out.append(("desc", b.dtype, b.device.index, b.data_ptr() % 16 == 0,
+                        tuple(a.block_shape), a.layout))
         else:
             raise TypeError(f"launch: argument of type {type(a).__name__} is neither a tensor, "
-                            "a scalar nor None")
+                            "a tensor descriptor, a scalar nor None")
     return tuple(out)

@@ -108,3 +108,24 @@ def test_another_current_device_launches_through_jit(monkeypatch):
         monkeypatch.setattr(launch, "_current_device", lambda device=device: device)
         launch.launch(kernel, (1,), (x, 5, 0.5), dict(BLOCK=16), {})
     assert len(kernel.jit) == 2 and len(kernel.direct) == 3
+
+
+def _desc(base, block=(128, 128), layout="swizzle128"):
+    """A stand-in for Gluon's TensorDescriptor: what the key reads of one."""
+    return SimpleNamespace(base=base, shape=list(base.shape), strides=list(base.stride()),
+                           block_shape=list(block), layout=layout)
+
+
+@pytest.mark.parametrize("change", ["dtype", "block", "layout", "align"])
+def test_a_tensor_descriptor_is_keyed_by_what_triton_specializes_on(change):
+    """The compiled kernel takes a descriptor of any shape and strides (its tensor map is
+    built at each launch) but not another dtype, block shape, shared layout or an unaligned
+    base."""
+    kernel, x = _Kernel(), torch.zeros(256, 128)
+    launch.launch(kernel, (1,), (_desc(x), 5, 0.5), dict(BLOCK=16), {})
+    launch.launch(kernel, (1,), (_desc(torch.zeros(512, 128)), 5, 0.5), dict(BLOCK=16), {})
+    assert len(kernel.jit) == 1 and len(kernel.direct) == 1  # another shape: the same kernel
+    other = {"dtype": _desc(x.double()), "block": _desc(x, (64, 128)),
+             "layout": _desc(x, layout="swizzle64"), "align": _desc(x.view(-1)[1:129])}[change]
+    launch.launch(kernel, (1,), (other, 5, 0.5), dict(BLOCK=16), {})
+    assert len(kernel.jit) == 2
