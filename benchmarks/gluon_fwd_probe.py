@@ -1,32 +1,37 @@
 """Probe: does a Gluon forward with asynchronous wgmma overlap attention's softmax with its
 products on the H200, where plain Triton 3.6 waits on every wgmma right after issuing it
-(GPU_SESSION.md section 2)? An experiment, not a part of fp4lab: it covers only what the probe
-needs (non-causal and causal, B H S D with S a multiple of 128, 128 x 128 tiles, 8 warps),
-and prints nothing but the JSON it writes.
+(GPU_SESSION.md section 2)? The experiment `fp4lab.kernels.gluon_fwd` came from (session 28,
+benchmarks/RESULTS.md), kept for its variants: bf16 P at 128 and 64 keys a tile, 2 to 4
+stages, and OVERLAP off (every wgmma waited for at once, the same arithmetic). Not a part of
+fp4lab: non-causal and causal, B H S D with S a multiple of 128, 128-row tiles, 8 warps; it
+prints nothing but the JSON it writes.
 
 Two P paths in one kernel (`P_NVFP4`):
 - bf16 P (the plain flash forward): compared with SDPA's output and timed beside it and beside
   fp4lab's Triton kernel for `flash_bf16` on the same operands;
-- the `nvfp4` recipe's P, quantized in registers by fp4lab's own `_quantize_p` (the Triton
-  kernel's arithmetic: scores times the per-head scale, z = s - m, exp2, NVFP4 with a tensor
-  scale per tile, acc held in units of the tile factor's significand and accumulated inside
-  the wgmma, ACC_UNITS): run on the operands `backend.prepare_forward` makes and compared,
-  element by element, with fp4lab's Triton kernel for `nvfp4`, and timed beside it.
+- the `nvfp4` recipe's P, quantized in registers by fp4lab's own `_quantize_p` as the
+  integrated kernel does (`fp4lab.kernels._gluon_fwd_kernel`, whose bit-for-bit tests and
+  benchmark are tests/kernels/test_gluon_fwd.py and benchmarks/bench_gluon_fwd.py): compared
+  element by element with fp4lab's Triton kernel (with `FP4LAB_GLUON=0` set, that kernel is
+  the Triton one; otherwise `attention_forward` takes the Gluon one for it). The first two
+  runs (gpu-runs/2026-12-04-s28/probe1, probe2) got the second warpgroup's rows wrong: P^ was
+  converted to the product's operand layout from the linear layout `_quantize_p`'s reshapes
+  leave; now it goes back to the scores' layout first.
 
-The loop (FlashAttention-3's intra-warpgroup pipelining): tile j+1's scores are issued as an
-asynchronous wgmma before tile j's softmax, P_j V_j is issued asynchronously after it, and the
-only waits are for P_{j-1} V_j-1 before acc is rescaled and for S_{j+1} before the next tile;
-K and V stream through rings of STAGES shared-memory buffers loaded by TMA.
+The loop (FlashAttention-3's intra-warpgroup order): S_{j+1} issued, acc rescaled, P_j V_j
+issued, the wait for S_{j+1} alone, tile j+1's softmax while P_j V_j runs, then its wait. (The
+first version waited for P_{j-1} V_{j-1} in the next iteration, across the loop's back edge:
+ptxas then serializes every wgmma of the kernel, its C7514 note.) K and V stream through rings
+of STAGES shared-memory buffers loaded by TMA.
 
-    python benchmarks/gluon_fwd_probe.py --out DIR [--batch 4 --heads 16 --seq 4096]
+    FP4LAB_GLUON=0 python benchmarks/gluon_fwd_probe.py --out DIR [--batch 4 --heads 16 \
+        --seq 4096]
 
 writes DIR/gluon_fwd_probe.json. Needs an sm_90 GPU and Triton's Gluon (3.6).
 """
-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import math
@@ -36,7 +41,6 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -50,14 +54,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4lab.kernels import backend
+from fp4lab.kernels._gluon_fwd_kernel import _issue
 from fp4lab.kernels.flash import LOG2E, _quantize_p, attention_forward
 from fp4lab.recipes import resolve_recipe
-
-
-@gluon.jit
-def _issue_kv(desc, ring, bars, row, slot):
-    mbarrier.expect(bars.index(slot), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row, 0], bars.index(slot), ring.index(slot))
 
 
 @gluon.jit
@@ -93,12 +92,6 @@ def _p_tile(s, m_i, l_i, qk_scale, offs_m, start_n, MASK: gl.constexpr,
     # equal linear layout), so that P^ reaches P V's operand layout as the scores' does
     p_hat = gl.convert_layout(p_hat, s_layout, assert_trivial=True)
     return gl.convert_layout(p_hat.to(gl.bfloat16), p_layout), alpha, m_new, l_i, factor
-
-
-@gluon.jit
-def _issue_kv(desc, ring, bars, row, slot):
-    mbarrier.expect(bars.index(slot), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row, 0], bars.index(slot), ring.index(slot))
 
 
 @gluon.jit
@@ -164,8 +157,8 @@ def _fwd(q_desc, k_desc, v_desc, o_desc, QS, VF, S,
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
     for i in gl.static_range(STAGES):
         if i < n_tiles:
-            _issue_kv(k_desc, k_ring, k_bars, k_row + i * BLOCK_N, i)
-            _issue_kv(v_desc, v_ring, v_bars, k_row + i * BLOCK_N, i)
+            _issue(k_desc, k_ring, k_bars, k_row + i * BLOCK_N, i)
+            _issue(v_desc, v_ring, v_bars, k_row + i * BLOCK_N, i)
 
     offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=s_rows)
     m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=s_rows)
@@ -202,7 +195,7 @@ def _fwd(q_desc, k_desc, v_desc, o_desc, QS, VF, S,
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             s = warpgroup_mma_init(s)
         if j + STAGES < n_tiles:  # S_j (last iteration's) is done: K's slot j refills
-            _issue_kv(k_desc, k_ring, k_bars, k_row + (j + STAGES) * BLOCK_N, slot)
+            _issue(k_desc, k_ring, k_bars, k_row + (j + STAGES) * BLOCK_N, slot)
         acc, unit = _rescaled(acc, alpha, factor, unit, P_NVFP4, o_rows)
         mbarrier.wait(v_bars.index(slot), (j // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
@@ -223,7 +216,7 @@ def _fwd(q_desc, k_desc, v_desc, o_desc, QS, VF, S,
                 E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P_j V_j done
         if j + STAGES < n_tiles:  # V's slot j refills
-            _issue_kv(v_desc, v_ring, v_bars, k_row + (j + STAGES) * BLOCK_N, slot)
+            _issue(v_desc, v_ring, v_bars, k_row + (j + STAGES) * BLOCK_N, slot)
 
     last = n_tiles - 1
     acc, unit = _rescaled(acc, alpha, factor, unit, P_NVFP4, o_rows)
@@ -242,27 +235,6 @@ def _fwd(q_desc, k_desc, v_desc, o_desc, QS, VF, S,
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
     tma.store_wait(pendings=0)
-
-
-@tl.core.builtin
-def _full(shape, value, dtype, _semantic=None):
-    """Triton's `tl.full` inside a Gluon kernel: a Gluon full whose layout is inferred from
-    its first use (Triton's own asks Gluon's semantic for a layout it does not pass)."""
-    return gl.full(shape, value, dtype, None, _semantic=_semantic)
-
-
-@contextlib.contextmanager
-def _gluon_helpers():
-    """Within: `tl.full` (and so `tl.zeros`, `tl.zeros_like`) is `_full`, so that fp4lab's
-    `@triton.jit` helpers (`_quantize_p` and what it calls) compile inside this Gluon kernel.
-    Only around the Gluon kernel's first launch of a specialization (its compilation), never
-    around a Triton kernel's."""
-    saved = tl.core.full
-    tl.full = tl.core.full = _full
-    try:
-        yield
-    finally:
-        tl.full = tl.core.full = saved
 
 
 def gluon_forward(q, k, v, qk_scale, vf, causal, pq=None, stages=2, block_n=128,
@@ -284,16 +256,15 @@ def gluon_forward(q, k, v, qk_scale, vf, causal, pq=None, stages=2, block_n=128,
                                       [rows, D], layout))
     nv = pq is not None
     pq = pq or backend.p_quantizer(resolve_recipe("nvfp4"))
-    with _gluon_helpers():
-        _fwd[(S // block_m, B * H)](
-            *descs, qk_scale, vf, S, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=D,
-            CAUSAL=causal, STAGES=stages, OVERLAP=overlap, P_NVFP4=nv,
-            EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2], E_MAX=pq.ELEM[3],
-            SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2], S_MAX=pq.SCALE[3],
-            E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK, RULE=pq.RULE,
-            ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
-            num_warps=warps, enable_fp_fusion=False,
-        )
+    _fwd[(S // block_m, B * H)](
+        *descs, qk_scale, vf, S, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=D,
+        CAUSAL=causal, STAGES=stages, OVERLAP=overlap, P_NVFP4=nv,
+        EQ_LO=pq.ELEM[0], EQ_HI=pq.ELEM[1], E_UNIT=pq.ELEM[2], E_MAX=pq.ELEM[3],
+        SQ_LO=pq.SCALE[0], SQ_HI=pq.SCALE[1], S_UNIT=pq.SCALE[2], S_MAX=pq.SCALE[3],
+        E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK, RULE=pq.RULE,
+        ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
+        num_warps=warps, enable_fp_fusion=False,
+    )
     return o
 
 

@@ -8,6 +8,10 @@ What exists:
 - `random`: Philox4x32-10 in Triton, bit-identical to `fp4lab.formats.philox`;
 - `flash`: FlashAttention's forward with P quantized in registers along the keys, driven by
   an `fp4lab.recipes.AttentionRecipe`;
+- `gluon_fwd` (with `_gluon_fwd_kernel`): the same forward for block-format P recipes on
+  Hopper in Gluon, its products overlapped with the softmax (FlashAttention-3's
+  intra-warpgroup order), bit for bit the Triton kernel's; `flash.attention_forward` hands it
+  the calls `gluon_fwd.unsupported` admits (`FP4LAB_GLUON=0` turns it off);
 - `flash_bwd`: FlashAttention-2's backward (a preprocess for D, a dK/dV kernel per key tile,
   a dQ kernel per query tile) with P and dS quantized in registers as the recipe's backward
   fields say: the flash, straight-through and forward-exact backwards, and Hadamard-rotated
