@@ -228,3 +228,160 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
     tma.store_wait(pendings=0)
+
+
+# -- the warp-specialized variant: one warp issues the loads -----------------------------------
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready,
+                    k_empty, v_empty, q_row, k_row, n_tiles, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """The loads, in a warp of their own: Q once, then each key tile's K and V into the ring
+    slot the consumers released (their `empty` barriers; initialised complete, so the first
+    STAGES waits pass)."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    for j in range(n_tiles):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        _issue(k_desc, k_ring, k_ready, k_row + j * BLOCK_N, slot)
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        _issue(v_desc, v_ring, v_ready, k_row + j * BLOCK_N, slot)
+
+
+@gluon.jit
+def _compute_partition(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
+                       o_desc, LSE, bh, q_row, start_m, n_tiles, qk_scale, out_factor, S,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       CAUSAL: gl.constexpr, STAGES: gl.constexpr, LSE_LOG2: gl.constexpr,
+                       EQ_LO: gl.constexpr, EQ_HI: gl.constexpr, E_UNIT: gl.constexpr,
+                       E_MAX: gl.constexpr, SQ_LO: gl.constexpr, SQ_HI: gl.constexpr,
+                       S_UNIT: gl.constexpr, S_MAX: gl.constexpr, E_LO: gl.constexpr,
+                       E_HI: gl.constexpr, QBLOCK: gl.constexpr, RULE: gl.constexpr,
+                       ARITH: gl.constexpr, TENSOR: gl.constexpr, EMAX_E: gl.constexpr,
+                       UNITS: gl.constexpr, ACC_FACTOR: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """`attn_fwd`'s loop and epilogue, with each ring slot released to the load warp (its
+    `empty` barrier) once the product that reads it is waited for."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=s_rows)
+    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    unit = gl.full([], 1.0, gl.float32)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    diagonal = start_m * BLOCK_M
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p_op, alpha, m_i, l_i, factor = _tile(
+        s, m_i, l_i, qk_scale, offs_m, 0, diagonal, CAUSAL, BLOCK_M, BLOCK_N, s_layout,
+        p_layout, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK,
+        RULE, ARITH, TENSOR, EMAX_E, UNITS)
+    for j in range(n_tiles - 1):
+        slot = j % STAGES
+        nslot = (j + 1) % STAGES
+        mbarrier.wait(k_ready.index(nslot), ((j + 1) // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_ring.index(nslot).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        acc, unit = _rescaled(acc, alpha, factor, unit, UNITS, o_rows)
+        mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_{j+1}; P_j V_j runs on
+        mbarrier.arrive(k_empty.index(nslot), count=1)
+        p_op, alpha, m_i, l_i, factor = _tile(
+            s, m_i, l_i, qk_scale, offs_m, (j + 1) * BLOCK_N, diagonal, CAUSAL, BLOCK_M,
+            BLOCK_N, s_layout, p_layout, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
+            S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, UNITS)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P_j V_j
+        mbarrier.arrive(v_empty.index(slot), count=1)
+    last = n_tiles - 1
+    acc, unit = _rescaled(acc, alpha, factor, unit, UNITS, o_rows)
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    empty = l_i == 0.0
+    if UNITS:
+        acc = acc * unit
+    else:
+        acc = acc * ACC_FACTOR
+    l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), o_rows)
+    out = gl.where(gl.convert_layout(empty, o_rows)[:, None], 0.0, acc / l_o[:, None])
+    out = out * out_factor
+    lse = m_i + gl.log2(gl.where(empty, 1.0, l_i))
+    if not LSE_LOG2:
+        lse = lse * 0.6931471805599453
+    lse = gl.where(empty, float("inf"), lse)
+    gl.store(LSE + bh * S + offs_m, lse)
+    q_smem.store(out.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                CAUSAL: gl.constexpr, STAGES: gl.constexpr, LSE_LOG2: gl.constexpr,
+                EQ_LO: gl.constexpr, EQ_HI: gl.constexpr, E_UNIT: gl.constexpr,
+                E_MAX: gl.constexpr, SQ_LO: gl.constexpr, SQ_HI: gl.constexpr,
+                S_UNIT: gl.constexpr, S_MAX: gl.constexpr, E_LO: gl.constexpr,
+                E_HI: gl.constexpr, QBLOCK: gl.constexpr, RULE: gl.constexpr,
+                ARITH: gl.constexpr, TENSOR: gl.constexpr, EMAX_E: gl.constexpr,
+                UNITS: gl.constexpr, ACC_FACTOR: gl.constexpr, num_warps: gl.constexpr):
+    """`attn_fwd` with its loads in a warp of their own (FlashAttention-3's producer warp):
+    the compute warps never wait at a CTA barrier to issue a TMA copy. The same arguments
+    and numbers."""
+    n_q = S // BLOCK_M
+    if CAUSAL:
+        start_m = n_q - 1 - gl.program_id(0)
+    else:
+        start_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    kvh = b * (H // G) + (bh % H) // G
+    q_row = bh * S + start_m * BLOCK_M
+    k_row = kvh * S
+    if CAUSAL:
+        n_tiles = (start_m + 1) * BLOCK_M // BLOCK_N
+    else:
+        n_tiles = S // BLOCK_N
+    qk_scale = qk_scale * gl.load(QF + bh) * gl.load(KF + kvh)
+    out_factor = gl.load(VF + kvh)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
+                                       k_desc.layout)
+    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
+                                       v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
+    gl.warp_specialize([
+        (_compute_partition, (
+            q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
+            bh, q_row, start_m, n_tiles, qk_scale, out_factor, S, BLOCK_M, BLOCK_N, HEAD_DIM,
+            CAUSAL, STAGES, LSE_LOG2, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX,
+            E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, UNITS, ACC_FACTOR, num_warps)),
+        (_load_partition, (
+            q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
+            v_empty, q_row, k_row, n_tiles, BLOCK_N, STAGES)),
+    ], [1], [24])
