@@ -222,3 +222,28 @@ def test_a_patched_accumulation_choice_is_heard_after_the_constants_were_made(mo
     monkeypatch.setattr(flash, "_accumulate_in_dot", lambda *args: {})
     fp4lab.attention(q, k, v, "nvfp4", backend="triton", block_m=32, block_n=32)
     assert seen == [True, False]
+
+
+def test_launch_fitting_keys_every_depth_it_tries_as_launch_would(monkeypatch):
+    # the H200 takes the forward's and the backward's 128 x 128 tiles one stage below the
+    # asked depth on every call: the key at the depth that fits must be launch's own
+    import triton
+
+    tried = []
+
+    def recording(kernel, grid, args, constants, options, static=None):
+        tried.append(options["num_stages"])
+        assert static == launch.static_key(constants, options)
+        if options["num_stages"] > 1:
+            raise triton.runtime.errors.OutOfResources(1, 0, "shared memory")
+
+    class Kernel:
+        fn = type("fn", (), {"__name__": "stand_in_fitting"})
+
+    monkeypatch.setattr(flash, "launch", recording)
+    monkeypatch.setattr(flash, "_STAGES", {})
+    constants = dict(BLOCK=16, BLOCK_M=16, BLOCK_N=16, HEAD_DIM=16, num_warps=4, num_stages=3)
+    kernel = Kernel()
+    flash.launch_fitting(kernel, (1,), (), constants)
+    flash.launch_fitting(kernel, (1,), (), constants)  # the depth that fit, remembered
+    assert tried == [3, 2, 1, 1]
