@@ -498,9 +498,18 @@ def _query_tile(CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _like(x, value):
+    """An fp32 tensor shaped as x (a scalar where x is one), every element `value`, with x's
+    layout inside a Gluon kernel (`fp4lab.kernels.gluon_fwd` calls these helpers), where
+    `tl.full` and `tl.zeros_like` would need one: the select of two equal constants folds to
+    the constant, so compiled it is the fill `tl.full` is."""
+    return tl.where(x == x, value, value)
+
+
+@triton.jit
 def _div(a, b):
     """a / b correctly rounded, for a scalar or tensor a and a tensor b."""
-    return tl.div_rn(tl.zeros_like(b) + a, b)
+    return tl.div_rn(_like(b, a), b)
 
 
 @triton.jit
@@ -515,7 +524,7 @@ def _reciprocal(d):
             "neg.f32 e, e; fma.rn.f32 $0, r, e, r; }",
             "=r,r", [d], dtype=tl.float32, is_pure=True, pack=1,
         )  # fmt: skip
-    return tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    return tl.div_rn(_like(d, 1.0), d)
 
 
 @triton.jit
@@ -584,7 +593,7 @@ def _block_scales(
     (a zero divisor flushes); the dequantized value is code * store * decode / M_e^[alpha],
     with store bf16-exact (the block scale, or 2^E for an alpha-grid scale)."""
     decode = 1.0
-    divisor = tl.zeros_like(amax)
+    divisor = _like(amax, 0.0)
     if RULE == 0:  # NEAREST: t = a' / M_e rounded into the scale format
         if ARITH == 1:  # TE_ENCODE
             g = 1.0
@@ -594,7 +603,7 @@ def _block_scales(
                 decode = _div(1.0, g)
             t = tl.minimum(amax * (g * INV_ME), 3.4028234663852886e38)
         else:
-            t = tl.div_rn(amax, tl.zeros_like(amax) + M_E)
+            t = tl.div_rn(amax, _like(amax, M_E))
         store = _round(t, SCALE_Q_LO, SCALE_Q_HI, SCALE_UNIT, SCALE_MAX)
         # every nonzero scale in `_reciprocal`'s range: its smallest subnormal and its largest
         SHORT: tl.constexpr = SCALE_Q_LO * SCALE_UNIT >= RCP_LO and SCALE_MAX < RCP_HI
@@ -626,7 +635,7 @@ def _block_scales(
     elif RULE == 1 or RULE == 6 or RULE == 7:  # powers of two from a' (or fl(a' / M_e))
         a = amax
         if RULE == 6:  # RCEIL: fl(a' / M_e) rounded up onto E8M0
-            a = tl.div_rn(amax, tl.zeros_like(amax) + M_E)
+            a = tl.div_rn(amax, _like(amax, M_E))
         e, r = _log2_parts(a)
         if RULE == 1:  # OCP's floor: 2^(floor(log2 a') - emax_e)
             e = e - EMAX_E
@@ -1774,6 +1783,18 @@ def attention_forward(
     grid = (n_q, B * H)
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
     tile_scope = _check_factors((qf, kf, vf), B, H, Hk, n_q, n_k)
+    from fp4lab.kernels import gluon_fwd  # (imports this module)
+
+    gap = gluon_fwd.unsupported(q, k, v, pq, block_m=block_m, block_n=block_n,
+                                num_warps=num_warps, out_dtype=out_dtype, extras=dict(
+        trace=trace is not None, o_prime=o_prime is not None, m_ref=m_ref is not None,
+        mean_scores=mean_scores is not None, leakage_block=leakage_block,
+        lazy_log2=lazy_log2 is not None, row_sum_quantized=row_sum_quantized, reverse=reverse,
+        reference=reference != "running", tile_scope=tile_scope, p_shift=pq.shift != 0,
+    ))  # fmt: skip
+    if gap is None:  # the same numbers, its products overlapped (`fp4lab.kernels.gluon_fwd`)
+        return gluon_fwd.attention_forward(q, k, v, (qf, kf, vf), pq, causal=causal,
+                                           scale=scale, lse_log2=lse_log2, o=o, lse=lse)
     if m_ref is not None and (m_ref.shape != (B, H, Sq, n_k) or not m_ref.is_contiguous()):
         raise ValueError(f"m_ref must be a contiguous {(B, H, Sq, n_k)} tensor, got "
                          f"{tuple(m_ref.shape)}")  # fmt: skip
