@@ -3,8 +3,7 @@
 For each recipe and causal setting, in one process: bf16 SDPA (its default backend), the
 forward kernel alone on operands prepared once (`backend.prepare_forward`, as
 `bench_attention_gpu.py` times it) with `FP4LAB_GLUON=0` (the Triton kernel) and with it on
-(the Gluon kernel, where `gluon_fwd.unsupported` admits the call; its loads issued by the
-compute warps, and in a warp of their own, `gluon_fwd.SPECIALIZED`), whether they gave the
+(the Gluon kernel, where `gluon_fwd.unsupported` admits the call), whether the two gave the
 same O and log-sum-exp bit for bit, and the whole `fp4lab.attention(..., backend="triton")`
 call both ways. `triton.testing.do_bench` medians; B4 H16 S4096 D128 bf16 unless told.
 
@@ -88,9 +87,6 @@ def main(argv=None) -> int:
                     out_dtype=None, extras={})
             t_triton, (o_t, lse_t) = _timed(kernel, False)
             t_gluon, (o_g, lse_g) = _timed(kernel, True)
-            gluon_fwd.SPECIALIZED = True  # the load warp of its own
-            t_ws, (o_w, lse_w) = _timed(kernel, True)
-            gluon_fwd.SPECIALIZED = False
             t_whole_t, _ = _timed(whole, False)
             t_whole_g, _ = _timed(whole, True)
             rows.append(dict(
@@ -98,8 +94,6 @@ def main(argv=None) -> int:
                 sdpa_ms=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e9,
                 triton_kernel_ms=t_triton, gluon_kernel_ms=t_gluon,
                 triton_kernel_x_sdpa=t_sdpa / t_triton, gluon_kernel_x_sdpa=t_sdpa / t_gluon,
-                gluon_ws_kernel_ms=t_ws, gluon_ws_kernel_x_sdpa=t_sdpa / t_ws,
-                same_o_ws=bool(torch.equal(o_t, o_w)), same_lse_ws=bool(torch.equal(lse_t, lse_w)),
                 whole_triton_ms=t_whole_t, whole_gluon_ms=t_whole_g,
                 whole_triton_x_sdpa=t_sdpa / t_whole_t, whole_gluon_x_sdpa=t_sdpa / t_whole_g,
                 same_o=bool(torch.equal(o_t, o_g)), same_lse=bool(torch.equal(lse_t, lse_g)),

@@ -15,7 +15,10 @@ one dependent chain (scores, softmax, P's quantization, P V) with nothing overla
 P, whose tile-wide amax spans both warpgroups, cannot use warpgroup ping-pong either. Gluon's
 asynchronous wgmma lets the kernel issue the next tile's scores before this tile's P V and run
 the softmax while P V is on the tensor cores (FlashAttention-3's intra-warpgroup pipelining).
-Measured in benchmarks/RESULTS.md ("Session 28").
+Measured in benchmarks/RESULTS.md ("Session 28"), which also says what was tried and not
+kept: the loads in a warp of their own (FlashAttention-3's producer warp; the same bits and
+times, commit 54cc3e1) and the probe the kernel came from (bf16 P variants, commit 45df220's
+benchmarks/gluon_fwd_probe.py).
 """
 
 from __future__ import annotations
@@ -32,12 +35,6 @@ BLOCK = 128  # the kernel's query and key tile
 HEAD_DIM = 128
 NUM_WARPS = 8
 STAGES = 2  # K and V ring buffers (measured best of 2 and 3 in the probe)
-# the loads in a warp of their own (`_gluon_fwd_kernel.attn_fwd_ws`), or issued by the
-# compute warps; benchmarks/bench_gluon_fwd.py times both
-SPECIALIZED = False
-MAXNREG = 168  # the specialized kernel's register cap: 12 warps (8 compute, a warpgroup for
-# the load warp) of 168 fit the SM's 64K; the load warpgroup gives its share back (24 each),
-# so the compute warps run with up to 240
 
 
 def enabled() -> bool:
@@ -105,7 +102,7 @@ def attention_forward(q, k, v, factors, pq: PQuantizer, *, causal: bool, scale: 
     directly), its constants made once per configuration."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from fp4lab.kernels._gluon_fwd_kernel import attn_fwd, attn_fwd_ws
+    from fp4lab.kernels._gluon_fwd_kernel import attn_fwd
 
     B, H, S, D = q.shape
     Hk = k.shape[1]
@@ -117,10 +114,9 @@ def attention_forward(q, k, v, factors, pq: PQuantizer, *, causal: bool, scale: 
     descs = [TensorDescriptor(x.view(-1, D), [x.numel() // D, D], [D, 1], [BLOCK, D], layout)
              for x in (q, k, v, o)]
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
-    constants, options, static = _constants(pq, bool(causal), bool(lse_log2), D, SPECIALIZED)
-    launch(attn_fwd_ws if SPECIALIZED else attn_fwd, (S // BLOCK, B * H),
-           (*descs, lse, qf, kf, vf, scale * LOG2E, H, H // Hk, S), constants, options,
-           static=static)
+    constants, options, static = _constants(pq, bool(causal), bool(lse_log2), D)
+    launch(attn_fwd, (S // BLOCK, B * H), (*descs, lse, qf, kf, vf, scale * LOG2E, H, H // Hk,
+                                          S), constants, options, static=static)
     return o, lse
 
 
@@ -134,7 +130,7 @@ def _shared_layout(d: int, dtype: torch.dtype):
 
 
 @functools.lru_cache(maxsize=256)
-def _constants(pq: PQuantizer, causal: bool, lse_log2: bool, d: int, specialized: bool):
+def _constants(pq: PQuantizer, causal: bool, lse_log2: bool, d: int):
     """(constexprs, launch options, their `static_key`) of one configuration."""
     accumulate = _accumulate_in_dot(pq, False, False)
     constants = dict(
@@ -147,8 +143,6 @@ def _constants(pq: PQuantizer, causal: bool, lse_log2: bool, d: int, specialized
         UNITS=accumulate.get("ACC_UNITS", False), ACC_FACTOR=accumulate.get("ACC_FACTOR", 1.0),
     )  # fmt: skip
     options = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
-    if specialized:
-        options["maxnreg"] = MAXNREG
     return constants, options, static_key(constants, options)
 
 
