@@ -13,8 +13,8 @@
 #   eden       tests/kernels/test_flash_eden.py the same way (its rotated backward compiles
 #              for minutes; EDEN_TESTS names the tests to run instead of the whole file)
 #   bwdtests   tests/kernels/test_flash_bwd.py and test_flash_sr.py the same way
-#   attntests  tests and bwdtests in one run (with PYTEST_WORKERS=12 their compiles share
-#              more of the machine's 16 cores)
+#   attntests  tests and bwdtests in one run, with the Gluon forward's and the launch's
+#              tests (with PYTEST_WORKERS=12 their compiles share more of the 16 cores)
 #   qtests     tests/kernels/test_quantize.py, test_random.py and
 #              tests/formats/test_quantize_devices.py the same way (the quantizers)
 #   forward    the forward bench (kernel alone and the whole call), warmed in 8 shards first
@@ -30,6 +30,7 @@
 #              call, traced and not (benchmarks/profile_gpu.py), into profile/ (PROFILE_CASES
 #              overrides its cases)
 #   reference  the reference's exact forward on CUDA beside SDPA (issue 9's 20x goal)
+#   gluon      the Gluon forward against the Triton one and SDPA (benchmarks/bench_gluon_fwd.py)
 #   launch     the NVFP4 forward kernel alone over tiles and compilation variants
 #              (benchmarks/bench_fwd_launch.py; LAUNCH_RECIPES, LAUNCH_CONFIGS, LAUNCH_VARIANTS
 #              override)
@@ -82,7 +83,8 @@ for stage in "${STAGES[@]}"; do
   case $stage in
     tests) pytests tests tests/kernels/test_flash.py tests/kernels/test_trace.py ;;
     attntests) pytests attntests tests/kernels/test_flash.py tests/kernels/test_trace.py \
-                 tests/kernels/test_flash_bwd.py tests/kernels/test_flash_sr.py ;;
+                 tests/kernels/test_flash_bwd.py tests/kernels/test_flash_sr.py \
+                 tests/kernels/test_gluon_fwd.py tests/kernels/test_launch.py ;;
     eden) pytests eden ${EDEN_TESTS:-tests/kernels/test_flash_eden.py} ;;
     bwdtests) pytests bwdtests tests/kernels/test_flash_bwd.py tests/kernels/test_flash_sr.py ;;
     qtests) pytests qtests tests/kernels/test_quantize.py tests/kernels/test_random.py \
@@ -116,6 +118,8 @@ for stage in "${STAGES[@]}"; do
                 pip install -q --no-deps --target /tmp/site .whl/torchao-*.whl > "$O/pip.log" 2>&1
               PYTHONPATH=$PWD:/tmp/site timeout $(left) python3 benchmarks/bench_quantize_gpu.py \
                 --out "$O" > "$O/quantize.log" 2>&1; log "quantize rc $?" ;;
+    gluon) timeout $(left) python3 benchmarks/bench_gluon_fwd.py --out "$O" > "$O/gluon.log" 2>&1
+           log "gluon rc $?" ;;
     launch) timeout $(left) python3 benchmarks/bench_fwd_launch.py --recipes ${LAUNCH_RECIPES:-nvfp4} \
               --configs ${LAUNCH_CONFIGS:-64x64:4:3 64x64:4:2 128x128:8:3 128x64:8:2 64x32:4:3} \
               --variants ${LAUNCH_VARIANTS:-base noacc reg168 reg128} --out "$O" \
