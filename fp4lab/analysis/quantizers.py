@@ -177,7 +177,9 @@ def _block_quantize(
         # one scale per tile: a 2-D block covering the tile (then the counts' sums below hold)
         spec, axis = dataclasses.replace(spec, block=tuple(x.shape[-2:])), -1
     batch_dims = (x.ndim - 2 if spec.tensor_scale else 0) if per_tile else scope_dims
-    b = quantize_blocks(x, spec, axis=axis, batch_dims=batch_dims, noise=noise, generator=generator)
-    found = (block_counts(b.scaled, b.amax, b.scales, b.decode, spec, b.layout, per_tile)
-             if counts else None)
+    fused = per_tile or not counts  # a whole tensor's counts mark elements: the steps
+    b = quantize_blocks(x, spec, axis=axis, batch_dims=batch_dims, noise=noise,
+                        generator=generator, fused=fused)
+    found = (block_counts(b.scaled, b.amax, b.scales, b.decode, spec, b.layout, per_tile,
+                          clipped=b.clipped) if counts else None)
     return b.dequantize(x.dtype), found

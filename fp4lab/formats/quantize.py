@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fp4lab.formats import eden
+from fp4lab.formats import eden, fused_rounding
 from fp4lab.formats.float_format import FloatFormat, _pow2
 from fp4lab.formats.interop import pack_codes, to_ml_dtypes, to_torch, unpack_codes
 from fp4lab.formats.registry import get
@@ -178,18 +178,27 @@ class BlockQuantized:
             count |scaled| > M_e read as for any other format.
         decode: the float32 second-level decode scale, broadcastable to `scales`, or None
             (EDEN: its tensor scale t).
+        dequantized: where the steps after the scales ran as one compiled pass
+            (``quantize_blocks(..., fused=True)``): (value * block scale) * decode in x's
+            layout, float32; `scaled` and `values` are then None.
+        clipped: with `dequantized`, each block's count of scaled elements past the element
+            format's largest value, float32 (..., blocks); else None.
     """
 
     layout: object
     amax: torch.Tensor
-    scaled: torch.Tensor
-    values: torch.Tensor
+    scaled: torch.Tensor | None
+    values: torch.Tensor | None
     scales: torch.Tensor
     decode: torch.Tensor | None
+    dequantized: torch.Tensor | None = None
+    clipped: torch.Tensor | None = None
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """(value * block scale) * decode in float32, back in x's layout, inverse Hadamard,
         in `dtype`: the bits of ``quantize(...).dequantize(dtype)``. Consumes `values`."""
+        if self.dequantized is not None:
+            return _finish(self.dequantized, self.layout.spec, self.layout.axis, dtype)
         out = self.values.float().mul_(self.scales.unsqueeze(-1))  # ours: in place
         if self.decode is not None:
             out.mul_(self.decode.unsqueeze(-1))
@@ -214,9 +223,13 @@ def quantize_blocks(
     generator: torch.Generator | int | None = None,
     batch_dims: int = 0,
     noise: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> BlockQuantized:
     """Steps 1-5 of the pipeline, keeping what instrumentation needs (block amax, scaled
-    elements, scales). Arguments as `quantize`; ``.dequantize(dtype)`` is fake_quantize."""
+    elements, scales). Arguments as `quantize`; ``.dequantize(dtype)`` is fake_quantize.
+    With `fused`, step 5 and the dequantization run as one compiled pass where
+    `fp4lab.formats.fused_rounding` applies (then `dequantized` and `clipped` are set in
+    place of `scaled` and `values`; the same bits)."""
     spec = resolve_spec(spec)
     _check_tensor(x, "x")
     axis = _normalize_axis(axis, x.ndim, spec, batch_dims)
@@ -228,12 +241,17 @@ def quantize_blocks(
     layout = _layout(spec, x.shape, axis, batch_dims)
     blocks = layout.to_blocks(xw)  # (..., blocks, block elements)
     amax = _block_amax(blocks, xw, layout).float()
+    noise_x = noise
     noise = _noise_blocks(noise, x, layout)
     if spec.correction is Correction.EDEN:
         if noise is None:
             noise = layout.to_blocks(_uniforms(x, generator, None))
         return _eden(layout, blocks, amax, spec, noise[..., 0], batch_dims)
     decode, encode = _tensor_scales(amax, spec, batch_dims)
+    if fused and _fuses(spec, xw, layout, rounding, noise_x):
+        out = _fused_steps(xw, layout, amax, decode, encode, spec, rounding, noise_x)
+        if out is not None:
+            return out
     scales, scaled = _scale(blocks, amax, decode, encode, spec)
     values = round_to_format(
         scaled, spec.element, rounding=rounding, saturate=True, generator=generator,
@@ -249,6 +267,64 @@ def _element_rounding(spec: QuantSpec, rounding) -> Rounding:
         raise ValueError(f"rounding must be nearest_even for correction=eden (spec "
                          f"{spec.name}), got {rounding.value}")
     return rounding
+
+
+def _fuses(spec: QuantSpec, xw: torch.Tensor, layout, rounding: Rounding, noise) -> bool:
+    """Whether the compiled pass may take step 5: 1-D blocks cutting their axis evenly,
+    block scales by a rule and elements multiplied by a factor (`_element_factor`), no
+    Hadamard transform, a format and rounding `fused_rounding` takes (stochastic: float32
+    uniforms given, exact ones)."""
+    return (
+        isinstance(layout, _Blocks1D)
+        and layout.nblocks * layout.size == layout.n
+        and spec.hadamard is None
+        and spec.fixed_scale is None
+        and not spec.scale_rule.alpha_grid
+        and spec.arithmetic not in _DIVIDING
+        and xw.dtype == torch.float32
+        and xw.is_contiguous()
+        and xw.numel() >= fused_rounding.MIN_ELEMENTS
+        and fused_rounding.takes(spec.element, rounding)
+        and (rounding is not Rounding.STOCHASTIC
+             or (spec.sr_bits is None and noise is not None and noise.dtype == torch.float32))
+    )
+
+
+def _fused_steps(xw, layout, amax, decode, encode, spec: QuantSpec, rounding, noise):
+    """Step 5 and the dequantization as one compiled pass in x's own layout (blocks along
+    the last dim as (rows, size), along another as (P, size, C), each block a column of
+    size elements), or None where it does not run: blocks or factors not all finite (NaN
+    and inf take the steps), or `fused_rounding` declining."""
+    if not bool(torch.isfinite(amax).all()):
+        return None
+    scaled_amax, t = _scale_input(amax, decode, encode, spec)
+    scales = _round_scale(scaled_amax, t, spec)
+    factor = _element_factor(scales, t, decode, spec)[0]
+    if not bool(torch.isfinite(factor).all()):
+        return None
+    axis, size = layout.axis, layout.size
+    if axis == xw.ndim - 1:
+        shape = (-1, size)
+        per_block = lambda f: f.expand(amax.shape).reshape(-1, 1).contiguous()  # noqa: E731
+        back = lambda c: c.view(amax.shape)  # noqa: E731
+    else:
+        moved = amax.movedim(-1, axis).shape  # one per block, in x's layout
+        inner = math.prod(xw.shape[axis + 1:])
+        shape = (-1, size, inner)
+        per_block = lambda f: (f.expand(amax.shape).movedim(-1, axis)  # noqa: E731
+                               .reshape(-1, 1, inner).contiguous())  # (P, 1, C)
+        back = lambda c: c.view(moved).movedim(axis, -1)  # noqa: E731
+    u = noise.contiguous().view(shape) if noise is not None else None
+    out = fused_rounding.fused_block_values(
+        xw.view(shape), per_block(factor), per_block(scales),
+        per_block(decode) if decode is not None else None, spec.element, rounding, u,
+        float(spec.element.max),
+    )
+    if out is None:
+        return None
+    values, clipped = out
+    return BlockQuantized(layout, amax, None, None, scales, decode, values.view(xw.shape),
+                          back(clipped))
 
 
 def _noise_blocks(noise, x: torch.Tensor, layout) -> torch.Tensor | None:
@@ -361,12 +437,22 @@ def _scale_input(amax, decode, encode, spec: QuantSpec):
 
 def _scaled_elements(blocks, s, t, decode, spec: QuantSpec) -> torch.Tensor:
     """The elements divided by (or multiplied by the reciprocal of) their block's scale."""
+    factor, divides = _element_factor(s, t, decode, spec)
+    factor = factor.unsqueeze(-1).to(blocks.dtype)
+    return blocks / factor if divides else blocks * factor
+
+
+_DIVIDING = (ScaleArithmetic.EXACT, ScaleArithmetic.DIVIDE_UNROUNDED)
+
+
+def _element_factor(s, t, decode, spec: QuantSpec):
+    """(f, divides): each block's divisor (divides) or multiplier of its elements, float32
+    (..., blocks)."""
     arith = spec.arithmetic
     d = decode if decode is not None else torch.ones((), dtype=torch.float32)
-    if arith in (ScaleArithmetic.EXACT, ScaleArithmetic.DIVIDE_UNROUNDED):
+    if arith in _DIVIDING:
         denom = (s if arith is ScaleArithmetic.EXACT else t) * d
-        denom = torch.where(denom == 0, torch.inf, denom)  # a zero scale flushes its block
-        return blocks / denom.unsqueeze(-1).to(blocks.dtype)
+        return torch.where(denom == 0, torch.inf, denom), True  # a zero scale flushes its block
     if arith is ScaleArithmetic.TE_ENCODE:
         factor = torch.clamp(1.0 / (s * d), max=_FLT_MAX)
         if decode is None:  # fp4-fa4's Q/K quantizer: a zero scale's multiplier is 0
@@ -378,7 +464,7 @@ def _scaled_elements(blocks, s, t, decode, spec: QuantSpec) -> torch.Tensor:
         factor = 1.0 / torch.where(b > 0, b, 1.0)  # FastVideo: where(block_decode > 0, ., 1)
     else:
         factor = (1.0 / d) / s if decode is not None else 1.0 / s
-    return blocks * factor.unsqueeze(-1).to(blocks.dtype)
+    return factor, False
 
 
 def _fixed_scale(blocks, amax, spec: QuantSpec):

@@ -135,7 +135,8 @@ def whole_stats(x, quant, tiler) -> dict:
     return operand_stats(tiler(x), tiler(quant.values), counts)
 
 
-def block_counts(scaled, amax, scales, decode, spec: QuantSpec, layout, per_tile: bool) -> dict:
+def block_counts(scaled, amax, scales, decode, spec: QuantSpec, layout, per_tile: bool,
+                 clipped=None) -> dict:
     """The trace's counts of a block quantization (`fp4lab.formats.quantize_blocks`'s scaled
     elements, blocks before rounding, overwritten here; its block amax, stored block scales
     and decode scale): "clipped" elements past the block's largest value in blocks whose
@@ -146,10 +147,13 @@ def block_counts(scaled, amax, scales, decode, spec: QuantSpec, layout, per_tile
     "scale_underflow" and "scale_overflow" such blocks whose ideal scale left the scale
     format's range beyond float32 rounding. Per tile (the last two block dims) with
     `per_tile`, else boolean tensors of the operand's shape (a block marked at its first
-    element, through `layout`)."""
+    element, through `layout`). A per-tile operand's `clipped` may give each block's count
+    of those elements (float32, (..., blocks): `quantize_blocks`' fused pass) in place of
+    `scaled` (then None)."""
     d = decode if decode is not None else torch.ones((), dtype=torch.float32)
-    clipped = scaled.abs_().sub_(spec.element.max).clamp_(min=0).sign_()  # |x| > M_e s d: saturated
-    stores = (scales > 0).unsqueeze(-1)  # only blocks that store a nonzero scale count
+    if clipped is not None and not per_tile:
+        raise ValueError("block_counts: counts per block are for a per-tile operand only")
+    stores = scales > 0  # only blocks that store a nonzero scale count
     ideal = amax / (spec.element.max * d)  # beyond the float32 rounding of the scale chain:
     nonzero = amax > 0
     blocks = {
@@ -157,13 +161,19 @@ def block_counts(scaled, amax, scales, decode, spec: QuantSpec, layout, per_tile
         "scale_underflow": nonzero & (ideal < spec.scale.min_subnormal * (1 - SLACK)),
         "scale_overflow": ideal > spec.scale.max * (1 + SLACK),
     }
+    elements = (scaled.shape[-3:].numel() if scaled is not None
+                else scales.shape[-2:].numel() * layout.size)  # a tile's
+    if clipped is None:  # |x| > M_e s d: saturated
+        clipped = scaled.abs_().sub_(spec.element.max).clamp_(min=0).sign_()
+        if per_tile:
+            clipped = clipped.sum(-1)
     if per_tile:  # each block's count masked, not each element (integers: exact either way)
-        per_block = clipped.sum(-1, keepdim=True).mul_(stores)
-        exact = clipped.shape[-3:].numel() <= 1 << 24  # every partial sum exact in float32
-        tile = per_block.sum((-3, -2, -1)) if exact else per_block.sum((-3, -2, -1),
-                                                                        dtype=torch.float64)
+        per_block = clipped.mul_(stores)
+        exact = elements <= 1 << 24  # every partial sum exact in float32
+        tile = per_block.sum((-2, -1)) if exact else per_block.sum((-2, -1),
+                                                                   dtype=torch.float64)
         return {"clipped": tile.double(), **{k: v.sum((-2, -1)) for k, v in blocks.items()}}
-    clipped.mul_(stores)
+    clipped.mul_(stores.unsqueeze(-1))
     marks = {}
     for name, flag in blocks.items():
         mark = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
