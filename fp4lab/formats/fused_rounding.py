@@ -48,7 +48,8 @@ from fp4lab.formats.float_format import FloatFormat, Specials
 from fp4lab.formats.fused_philox import _compiled, _require_compiler
 from fp4lab.formats.rounding import Rounding
 
-__all__ = ["MIN_ELEMENTS", "MAX_BINADES", "fused_block_values", "takes", "enabled"]
+__all__ = ["MIN_ELEMENTS", "MAX_BINADES", "fused_block_values", "block_amax", "takes",
+           "enabled"]
 
 MIN_ELEMENTS = 1 << 16
 """The fewest elements a quantization takes the compiled path with."""
@@ -105,6 +106,29 @@ def fused_block_values(blocks, factor, scales, decode, fmt: FloatFormat, roundin
     except Exception:  # no compiler, an unsupported platform, ...: the eager steps from now on
         _state["failed"] = True
         return None
+
+
+def block_amax(blocks: torch.Tensor) -> torch.Tensor | None:
+    """max |x| over each block of float32 blocks, (rows, size) -> (rows,) or (P, size, C)
+    -> (P, C), by one compiled pass (a maximum is exact in any order), or None where the
+    compiled path does not apply or a block holds NaN (the caller's ways give NaN its
+    canonical bits)."""
+    if not (enabled() and blocks.device.type == "cpu" and blocks.dtype == torch.float32
+            and blocks.is_contiguous() and blocks.numel() >= MIN_ELEMENTS):
+        return None
+    try:
+        if "amax" not in _state["kernels"]:
+            _require_compiler()
+            _state["kernels"]["amax"] = _compiled(torch.compile(_amax, dynamic=True))
+        amax = _state["kernels"]["amax"](blocks.detach())
+    except Exception:  # no compiler, an unsupported platform, ...: the eager steps from now on
+        _state["failed"] = True
+        return None
+    return None if bool(amax.isnan().any()) else amax
+
+
+def _amax(blocks):
+    return blocks.abs().amax(1)
 
 
 def _kernel(fmt: FloatFormat, rounding: Rounding, clip_at: float | None):

@@ -2,6 +2,8 @@
 the eager steps, bit for bit, on float32 values of every kind; `quantize_blocks(fused=True)`
 against the steps; where it does not apply; the eager fallback where it cannot be built."""
 
+import sys
+
 import pytest
 import torch
 
@@ -132,3 +134,22 @@ def test_a_failed_build_falls_back_to_the_eager_steps_for_the_process(monkeypatc
     want = quantize_blocks(x, spec)
     assert torch.equal(got.dequantize(torch.float32), want.dequantize(torch.float32))
     assert quantize_blocks(x, spec, fused=True).dequantized is None  # stays off
+
+
+@pytest.mark.parametrize("axis", [-1, -2])
+@pytest.mark.parametrize("special", [None, "nan", "inf"])
+def test_block_amax_fused_equals_the_eager_ways(axis, special, monkeypatch):
+    quantize = sys.modules["fp4lab.formats.quantize"]
+    spec = get("nvfp4")
+    x = every_kind((4, 128, 256), 3)
+    if special is not None:
+        x[1, 17, 33] = float(special)
+    layout = quantize._layout(spec, x.shape, axis % x.ndim)
+    blocks = layout.to_blocks(x)
+    monkeypatch.setitem(fused_rounding._state, "failed", False)
+    if fused_rounding.block_amax(x.view(-1, 16)) is None and special is None:
+        pytest.skip("the compiled path cannot be built here (the eager steps run)")
+    got = quantize._block_amax(blocks, x, layout)
+    monkeypatch.setitem(fused_rounding._state, "failed", True)
+    want = quantize._block_amax(blocks, x, layout)
+    assert got.shape == want.shape and torch.equal(bits(got), bits(want))
