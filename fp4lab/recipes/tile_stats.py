@@ -54,10 +54,17 @@ def operand_stats(
     diff = torch.linalg.vector_norm(scratch, dim=dims).double()
     if "norm" not in of_x:
         of_x["norm"] = torch.linalg.vector_norm(x, dim=dims).double()
+    # 1 where nonzero, 0 elsewhere, NaN where NaN (then the count is NaN): |sign|, or, where
+    # both tiles are finite (their norms are), a comparison's 0 / 1, the same numbers
+    finite = bool(torch.isfinite(diff).all() & torch.isfinite(of_x["norm"]).all())
+
+    def ones(t):
+        return torch.ne(t, 0, out=scratch) if finite else torch.sign(t, out=scratch).abs_()
+
     if "nonzero" not in of_x:
-        of_x["nonzero"] = exact_count(torch.sign(x, out=scratch).abs_(), dims)
+        of_x["nonzero"] = exact_count(ones(x), dims)
     norm, nonzero = of_x["norm"], of_x["nonzero"]
-    kept = exact_count(torch.sign(xq, out=scratch).abs_(), dims)
+    kept = exact_count(ones(xq), dims)
     stats = {
         "err": torch.where(diff == 0, 0.0, diff / norm),
         # quantization maps 0 to 0, so the nonzeros lost are the ones flushed
