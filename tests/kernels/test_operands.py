@@ -296,8 +296,11 @@ def test_shared_factors_hold_their_value_after_a_forward_and_backward(monkeypatc
         return t
 
     monkeypatch.setattr(backend, "_filled", recording)
+    if DEVICE == "cuda":  # the compiled kernels: this file's fixture asks for the interpreter,
+        monkeypatch.delenv("TRITON_INTERPRET")  # which the attention kernels do not run in there
     gen = torch.Generator().manual_seed(3)
-    q, k, v, do = (torch.randn(1, 2, 64, 64, generator=gen).bfloat16() for _ in range(4))
+    q, k, v, do = (torch.randn(1, 2, 64, 64, generator=gen).bfloat16().to(DEVICE)
+                   for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     for _ in range(2):
         fp4lab.attention(q, k, v, recipe, backend="triton", causal=True, block_m=32,
