@@ -80,6 +80,8 @@ def unsupported(q, k, v, pq: PQuantizer, *, block_m: int, block_n: int, num_warp
         return f"O in {out_dtype} (it writes q's dtype)"
     if not all(x.is_contiguous() for x in (q, k, v)):
         return "q, k, v are not contiguous"
+    if any(x.data_ptr() % 16 for x in (q, k, v)):
+        return "q, k, v do not start on 16 bytes (TMA's alignment)"
     (B, H, Sq, D), (Bk, Hk, Sk, Dk), Dv = q.shape, k.shape, v.shape[-1]
     if D != HEAD_DIM or Dk != D or Dv != D or v.shape[:3] != k.shape[:3] or Bk != B:
         return f"head dims {D}, {Dk}, {Dv} (it takes 128)"

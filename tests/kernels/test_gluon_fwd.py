@@ -68,10 +68,13 @@ def test_what_it_does_not_take_is_named(change, reason):
     assert got is not None and reason in got
 
 
-def test_non_contiguous_operands_and_the_switch(monkeypatch):
+def test_non_contiguous_or_unaligned_operands_and_the_switch(monkeypatch):
     q, k, v = _tensors()
     assert "not contiguous" in _gap(q.transpose(1, 2).contiguous().transpose(1, 2), k, v,
                                     NVFP4)
+    flat = torch.zeros(1 + 256 * 128 * 2, dtype=torch.bfloat16)
+    unaligned = flat[1:].view(1, 2, 256, 128)  # contiguous, 2 bytes past 16
+    assert "16 bytes" in _gap(unaligned, k, v, NVFP4)
     monkeypatch.setenv("FP4LAB_GLUON", "0")
     assert _gap(q, k, v, NVFP4) == "FP4LAB_GLUON=0"
 
