@@ -124,7 +124,7 @@ def block_amax(blocks: torch.Tensor) -> torch.Tensor | None:
     except Exception:  # no compiler, an unsupported platform, ...: the eager steps from now on
         _state["failed"] = True
         return None
-    return None if bool(amax.isnan().any()) else amax
+    return None if bool(amax.max().isnan()) else amax  # NaN propagates through the max
 
 
 def _amax(blocks):
