@@ -77,6 +77,12 @@ flag): the factors arrive one per tile, Q's read once per program (its query til
 V's per key tile, the tile's scores multiplied by K's and its P^ V^ by V's before acc adds
 it; without the flag V's one factor per head multiplies the output once, at the end.
 
+On an sm_90 GPU, `attention_forward` hands the calls `fp4lab.kernels.gluon_fwd.unsupported`
+admits (block-format P rounded to nearest at 128 x 128 tiles, head_dim 128, one sequence length
+a multiple of 128, none of the mechanisms below) to that module's Gluon kernel, which runs
+this kernel's arithmetic with its products overlapped and returns the same O and log-sum-exp
+bit for bit (`FP4LAB_GLUON=0` keeps every call here).
+
 What is not here yet (asking for it raises, never falls back): two-level P replayed in the
 backward's dV (forward_exact), tensor_scope=tile with the flash backward, Direct-P's
 stochastic codes, P blocked
