@@ -79,7 +79,8 @@ it; without the flag V's one factor per head multiplies the output once, at the 
 
 On an sm_90 GPU, `attention_forward` hands the calls `fp4lab.kernels.gluon_fwd.unsupported`
 admits (block-format P rounded to nearest at 128 x 128 tiles, head_dim 128, one sequence length
-a multiple of 128, none of the mechanisms below) to that module's Gluon kernel, which runs
+a multiple of 128; no trace, O', smooth_q, leakage fix, lazy or fixed row reference or per-tile
+factors) to that module's Gluon kernel, which runs
 this kernel's arithmetic with its products overlapped and returns the same O and log-sum-exp
 bit for bit (`FP4LAB_GLUON=0` keeps every call here).
 
