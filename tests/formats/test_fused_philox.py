@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from fp4lab.formats import fused_philox, streams
+from fp4lab.formats import fused_philox, native_philox, streams
 from fp4lab.formats.philox import PHILOX_M4x32_0, PHILOX_M4x32_1, philox4x32, split_key
 
 MASK = 0xFFFFFFFF
@@ -126,6 +126,7 @@ def test_where_the_compiled_path_does_not_apply(case):
 
 
 def test_a_failed_build_falls_back_to_the_eager_path_for_the_process(monkeypatch):
+    monkeypatch.setitem(native_philox._state, "failed", True)  # the compiled path
     def broken(*args):
         raise RuntimeError("no C++ compiler")
 
@@ -141,6 +142,7 @@ def test_a_failed_build_falls_back_to_the_eager_path_for_the_process(monkeypatch
 
 
 def test_no_compiler_turns_it_off_before_compiling(monkeypatch):
+    monkeypatch.setitem(native_philox._state, "failed", True)  # the compiled path
     cpp_builder = pytest.importorskip("torch._inductor.cpp_builder")
 
     def missing():
@@ -170,3 +172,18 @@ def test_the_environment_variable_turns_it_off():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-function", "compiled"])
+def test_each_fast_path_equals_eager(native, monkeypatch):
+    # fused_uniforms takes the C function first; with it off, the torch.compile'd pass
+    monkeypatch.setitem(native_philox._state, "failed", not native)
+    rng = random.Random(7)
+    p, r, n = 8, 256, 40  # 2^16 counters and more; n not a multiple of 32 lanes
+    counters = (words((p, 1, n), rng), words((p, r, 1), rng), words((p, 1, 1), rng),
+                words((p, 1, 1), rng))
+    keys = (rng.getrandbits(32), rng.getrandbits(32))
+    if native and native_philox.grid_uniforms(*counters, *keys) is None:
+        pytest.skip("the C function cannot be built here")
+    got, want = fused_or_skip(*counters, *keys), eager(*counters, *keys)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), first_mismatch(got, want)
