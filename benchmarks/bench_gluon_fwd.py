@@ -7,7 +7,12 @@ forward kernel alone on operands prepared once (`backend.prepare_forward`, as
 same O and log-sum-exp bit for bit, and the whole `fp4lab.attention(..., backend="triton")`
 call both ways. `triton.testing.do_bench` medians; B4 H16 S4096 D128 bf16 unless told.
 
-    python benchmarks/bench_gluon_fwd.py --out DIR [--recipes nvfp4 mxfp4 nvfp4_1level]
+    python benchmarks/bench_gluon_fwd.py --out DIR [--recipes nvfp4 mxfp4 ...] [--stages 2 3]
+
+The recipes default to the block-format P ones (nvfp4, mxfp4, nvfp4_1level) and the FP8 P V
+ones (fa4fp4_causal, fa3_fp8, fp8_per_tensor). `--stages`: the Gluon kernel is also timed
+with each of these K/V ring depths (`gluon_fwd.STAGES`, 2 unless told), as
+`gluon_kernel_ms_stages<N>`; its other figures are at the module's own depth.
 
 writes DIR/bench_gluon_fwd.json and prints nothing else.
 """
@@ -54,7 +59,9 @@ def _timed(fn, on: bool) -> tuple[float, object]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=pathlib.Path)
-    parser.add_argument("--recipes", nargs="+", default=["nvfp4", "mxfp4", "nvfp4_1level"])
+    parser.add_argument("--recipes", nargs="+", default=[
+        "nvfp4", "mxfp4", "nvfp4_1level", "fa4fp4_causal", "fa3_fp8", "fp8_per_tensor"])
+    parser.add_argument("--stages", nargs="*", type=int, default=[])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seq", type=int, default=4096)
@@ -84,12 +91,26 @@ def main(argv=None) -> int:
             with _gluon(True):
                 gap = gluon_fwd.unsupported(
                     ops["q"], ops["k"], ops["v"], pq, block_m=128, block_n=128, num_warps=8,
-                    out_dtype=None, extras={})
+                    out_dtype=None, scale=scale, extras={
+                        name: bool(options[name]) for name in ("lazy_log2", "reverse",
+                                                               "row_sum_quantized")})
             t_triton, (o_t, lse_t) = _timed(kernel, False)
             t_gluon, (o_g, lse_g) = _timed(kernel, True)
             t_whole_t, _ = _timed(whole, False)
             t_whole_g, _ = _timed(whole, True)
-            rows.append(dict(
+            depths = {}
+            for stages in args.stages:  # the ring's depth, the kernel alone
+                saved = gluon_fwd.STAGES
+                gluon_fwd.STAGES = stages
+                gluon_fwd._constants.cache_clear()
+                try:
+                    t, (o_s, _) = _timed(kernel, True)
+                    depths[f"gluon_kernel_ms_stages{stages}"] = t
+                    depths[f"same_o_stages{stages}"] = bool(torch.equal(o_s, o_t))
+                finally:
+                    gluon_fwd.STAGES = saved
+                    gluon_fwd._constants.cache_clear()
+            rows.append(dict(**depths,
                 recipe=name, causal=causal, gluon_takes_it=gap is None, gap=gap,
                 sdpa_ms=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e9,
                 triton_kernel_ms=t_triton, gluon_kernel_ms=t_gluon,

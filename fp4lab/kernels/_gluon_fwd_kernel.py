@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fp4lab.kernels.flash import _quantize_p
+from fp4lab.kernels.flash import _quantize_p, _round
 
 
 @gluon.jit
@@ -40,6 +40,48 @@ def _issue(desc, ring, bars, row, slot):
     """TMA: rows [row, row + block) of `desc` into ring slot `slot`, arriving on its barrier."""
     mbarrier.expect(bars.index(slot), desc.block_type.nbytes)
     tma.async_copy_global_to_shared(desc, [row, 0], bars.index(slot), ring.index(slot))
+
+
+@gluon.jit
+def _issue_at(desc, ring, bars, row, col, slot):
+    """TMA: the tile of `desc` at (row, col) into ring slot `slot`, arriving on its barrier
+    (key-major V: its D rows of one key-value head at the key tile's first column)."""
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], bars.index(slot), ring.index(slot))
+
+
+@gluon.jit
+def _softmax_fp8(s, m_i, l_i, qk_scale, offs_m, start_n, MASK: gl.constexpr,
+                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr, LIFT: gl.constexpr,
+                 LAZY: gl.constexpr, LAZY_LOG2: gl.constexpr, HW: gl.constexpr,
+                 EQ_LO: gl.constexpr, EQ_HI: gl.constexpr, E_UNIT: gl.constexpr,
+                 E_MAX: gl.constexpr):
+    """One tile of unscaled scores s to (P^ in E4M3, in the scores' layout, alpha, m, l) for
+    P cast to E4M3 (`flash._fwd_inner` with MODE 1, Z_FMA and PV_FP8): the row maximum of
+    the scaled scores, kept while the tile raises it by at most LAZY_LOG2 (LAZY), z = S s - m
+    in one fma, P = exp2(z), P LIFT cast by the GPU's conversion (HW, `flash.HW_E4M3`) or
+    rounded by `_round`'s arithmetic and cast exactly, l plus the unquantized P's row sum."""
+    qk = s
+    if MASK:
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        qk = gl.where(offs_n[None, :] <= offs_m[:, None], qk, -float("inf"))
+    top = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    if LAZY:
+        m_new = gl.where(top - m_i > LAZY_LOG2, top, m_i)
+    else:
+        m_new = top
+    if MASK:
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(gl.fma(qk, qk_scale, -m_use[:, None]))
+    if HW:
+        p8 = (p * LIFT).to(gl.float8e4nv)
+    else:  # `_quantize_p`'s MODE 1, then an exact cast: P^ lies on E4M3's grid
+        p8 = _round(p * LIFT, EQ_LO, EQ_HI, E_UNIT, E_MAX).to(gl.float8e4nv)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p8, alpha, m_new, l_i
 
 
 @gluon.jit
@@ -95,17 +137,77 @@ def _tile(s, m_i, l_i, qk_scale, offs_m, start_n, diagonal, CAUSAL: gl.constexpr
           E_UNIT: gl.constexpr, E_MAX: gl.constexpr, SQ_LO: gl.constexpr, SQ_HI: gl.constexpr,
           S_UNIT: gl.constexpr, S_MAX: gl.constexpr, E_LO: gl.constexpr, E_HI: gl.constexpr,
           QBLOCK: gl.constexpr, RULE: gl.constexpr, ARITH: gl.constexpr,
-          TENSOR: gl.constexpr, EMAX_E: gl.constexpr, UNITS: gl.constexpr):
-    """`_softmax_tile` of key tile start_n, masked where it reaches the diagonal."""
-    if CAUSAL and start_n + BLOCK_N > diagonal:
-        return _softmax_tile(
-            s, m_i, l_i, qk_scale, offs_m, start_n, True, BLOCK_M, BLOCK_N, s_layout, p_layout,
-            EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK,
-            RULE, ARITH, TENSOR, EMAX_E, UNITS)
-    return _softmax_tile(
-        s, m_i, l_i, qk_scale, offs_m, start_n, False, BLOCK_M, BLOCK_N, s_layout, p_layout,
-        EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE,
-        ARITH, TENSOR, EMAX_E, UNITS)
+          TENSOR: gl.constexpr, EMAX_E: gl.constexpr, UNITS: gl.constexpr,
+          PV_FP8: gl.constexpr, LIFT: gl.constexpr, LAZY: gl.constexpr,
+          LAZY_LOG2: gl.constexpr, HW: gl.constexpr):
+    """Key tile start_n's (P^ operand, alpha, m, l, tile factor), masked where it reaches the
+    diagonal: `_softmax_fp8` (its factor 1 / LIFT) with PV_FP8, else `_softmax_tile`."""
+    if PV_FP8:
+        if CAUSAL and start_n + BLOCK_N > diagonal:
+            p_op, alpha, m_i, l_i = _softmax_fp8(
+                s, m_i, l_i, qk_scale, offs_m, start_n, True, BLOCK_N, s_layout, LIFT, LAZY,
+                LAZY_LOG2, HW, EQ_LO, EQ_HI, E_UNIT, E_MAX)
+        else:
+            p_op, alpha, m_i, l_i = _softmax_fp8(
+                s, m_i, l_i, qk_scale, offs_m, start_n, False, BLOCK_N, s_layout, LIFT, LAZY,
+                LAZY_LOG2, HW, EQ_LO, EQ_HI, E_UNIT, E_MAX)
+        factor = gl.full([], 1.0 / LIFT, gl.float32)
+    else:
+        if CAUSAL and start_n + BLOCK_N > diagonal:
+            p_op, alpha, m_i, l_i, factor = _softmax_tile(
+                s, m_i, l_i, qk_scale, offs_m, start_n, True, BLOCK_M, BLOCK_N, s_layout,
+                p_layout, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+                QBLOCK, RULE, ARITH, TENSOR, EMAX_E, UNITS)
+        else:
+            p_op, alpha, m_i, l_i, factor = _softmax_tile(
+                s, m_i, l_i, qk_scale, offs_m, start_n, False, BLOCK_M, BLOCK_N, s_layout,
+                p_layout, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI,
+                QBLOCK, RULE, ARITH, TENSOR, EMAX_E, UNITS)
+    return p_op, alpha, m_i, l_i, factor
+
+
+@gluon.jit
+def _key_tile(j, n_tiles, REVERSE: gl.constexpr):
+    """The key tile visited j-th: last to first with REVERSE."""
+    if REVERSE:
+        return n_tiles - 1 - j
+    return j
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, k_row, kv_head, tile, slot,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PV_FP8: gl.constexpr,
+              WHICH: gl.constexpr):
+    """TMA of key tile `tile` into ring slot `slot`: K's (WHICH 0), V's (WHICH 1) or both
+    (2); V key-major with PV_FP8 (its HEAD_DIM rows of head kv_head, the tile's columns)."""
+    if WHICH != 1:
+        _issue(k_desc, k_ring, k_bars, k_row + tile * BLOCK_N, slot)
+    if WHICH != 0:
+        if PV_FP8:
+            _issue_at(v_desc, v_ring, v_bars, kv_head * HEAD_DIM, tile * BLOCK_N, slot)
+        else:
+            _issue(v_desc, v_ring, v_bars, k_row + tile * BLOCK_N, slot)
+
+
+@gluon.jit
+def _stage_p(p_smem, buf, p8):
+    """E4M3 P^ into P's shared buffer `buf`, visible to the next product that reads it (the
+    async proxy's fence, then every warp's stores done)."""
+    p_smem.index(buf).store(p8)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _pv(p_op, v_ring, slot, acc, zero_o, PV_FP8: gl.constexpr):
+    """Issue P^ V^ of the V tile in ring slot `slot`: with PV_FP8 on the FP8 tensor cores,
+    p_op P^'s shared buffer, from zero (each tile's product is added to acc in fp32 after,
+    `flash._fwd_inner`'s FOLD), V's key-major tile transposed in place; else p_op the
+    register operand, accumulated into acc (ACC_DOT)."""
+    if PV_FP8:
+        return warpgroup_mma(p_op, v_ring.index(slot).permute((1, 0)), zero_o, use_acc=False,
+                             is_async=True)
+    return warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
 
 
 @gluon.jit
@@ -117,11 +219,17 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
              S_UNIT: gl.constexpr, S_MAX: gl.constexpr, E_LO: gl.constexpr, E_HI: gl.constexpr,
              QBLOCK: gl.constexpr, RULE: gl.constexpr, ARITH: gl.constexpr,
              TENSOR: gl.constexpr, EMAX_E: gl.constexpr, UNITS: gl.constexpr,
-             ACC_FACTOR: gl.constexpr, num_warps: gl.constexpr):
+             ACC_FACTOR: gl.constexpr, PV_FP8: gl.constexpr, LIFT: gl.constexpr,
+             LAZY: gl.constexpr, LAZY_LOG2: gl.constexpr, HW: gl.constexpr,
+             REVERSE: gl.constexpr, num_warps: gl.constexpr):
     """One 128-row query tile of one (batch, query head) (program ids: the query tile, longest
     first when causal, and b H + h): O into o_desc's rows (b H + h) S + m, the log-sum-exp
     into LSE (B H S, natural units, or log2 with LSE_LOG2). q_desc, o_desc: (B H S, D) rows;
-    k_desc, v_desc: (B Hkv S, D) rows, Hkv = H / G; QF (B H,), KF and VF (B Hkv,) fp32."""
+    k_desc: (B Hkv S, D) rows, Hkv = H / G; v_desc the same, or with PV_FP8 V key-major
+    E4M3, (B Hkv D, S); QF (B H,), KF and VF (B Hkv,) fp32. PV_FP8: P cast to E4M3
+    (`_softmax_fp8`), P^ V^ on the FP8 tensor cores from zero and added to acc times alpha
+    by one fma with the factor 1 / LIFT; else a block-format P (`_softmax_tile`) whose
+    products accumulate in the dot. REVERSE: key tiles last to first."""
     n_q = S // BLOCK_M
     if CAUSAL:
         start_m = n_q - 1 - gl.program_id(0)
@@ -141,17 +249,31 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    if PV_FP8:  # an FP8 product's K step is 32; P^ reaches it through shared memory
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 32])
+        p_layout: gl.constexpr = s_layout  # (unused: no register operand)
+    else:
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
                                        k_desc.layout)
-    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
-                                       v_desc.layout)
+    if PV_FP8:  # key-major: a tile is V's HEAD_DIM rows of BLOCK_N keys
+        v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N],
+                                           v_desc.layout)
+    else:
+        v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM],
+                                           v_desc.layout)
+    if PV_FP8:
+        p_smem = gl.allocate_shared_memory(
+            gl.float8e4nv, [2, BLOCK_M, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -163,13 +285,14 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
     for i in gl.static_range(STAGES):
         if i < n_tiles:
-            _issue(k_desc, k_ring, k_bars, k_row + i * BLOCK_N, i)
-            _issue(v_desc, v_ring, v_bars, k_row + i * BLOCK_N, i)
+            _issue_kv(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, k_row, kvh,
+                      _key_tile(i, n_tiles, REVERSE), i, BLOCK_N, HEAD_DIM, PV_FP8, 2)
 
     offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=s_rows)
     m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=s_rows)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    zero_o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     unit = gl.full([], 1.0, gl.float32)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     diagonal = start_m * BLOCK_M  # the first key the causal mask can hide from a row here
@@ -180,9 +303,12 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
                       is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     p_op, alpha, m_i, l_i, factor = _tile(
-        s, m_i, l_i, qk_scale, offs_m, 0, diagonal, CAUSAL, BLOCK_M, BLOCK_N, s_layout,
-        p_layout, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK,
-        RULE, ARITH, TENSOR, EMAX_E, UNITS)
+        s, m_i, l_i, qk_scale, offs_m, _key_tile(0, n_tiles, REVERSE) * BLOCK_N, diagonal,
+        CAUSAL, BLOCK_M, BLOCK_N, s_layout, p_layout, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO,
+        SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, UNITS, PV_FP8,
+        LIFT, LAZY, LAZY_LOG2, HW)
+    if PV_FP8:
+        _stage_p(p_smem, 0, p_op)
     for j in range(n_tiles - 1):
         slot = j % STAGES
         nslot = (j + 1) % STAGES
@@ -190,23 +316,51 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
         s = warpgroup_mma(q_smem, k_ring.index(nslot).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
         if j + STAGES < n_tiles:  # S_j (waited for last iteration) is done: K's slot refills
-            _issue(k_desc, k_ring, k_bars, k_row + (j + STAGES) * BLOCK_N, slot)
-        acc, unit = _rescaled(acc, alpha, factor, unit, UNITS, o_rows)
+            _issue_kv(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, k_row, kvh,
+                      _key_tile(j + STAGES, n_tiles, REVERSE), slot, BLOCK_N, HEAD_DIM,
+                      PV_FP8, 0)
+        if PV_FP8:  # acc alpha now, rounded as `flash._fwd_inner`'s fma takes it
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        else:
+            acc, unit = _rescaled(acc, alpha, factor, unit, UNITS, o_rows)
         mbarrier.wait(v_bars.index(slot), (j // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
+        if PV_FP8:
+            pv = _pv(p_smem.index(j % 2), v_ring, slot, acc, zero_o, PV_FP8)
+        else:
+            pv = _pv(p_op, v_ring, slot, acc, zero_o, PV_FP8)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_{j+1}; P_j V_j runs on
+        tile_factor = factor
         p_op, alpha, m_i, l_i, factor = _tile(
-            s, m_i, l_i, qk_scale, offs_m, (j + 1) * BLOCK_N, diagonal, CAUSAL, BLOCK_M,
-            BLOCK_N, s_layout, p_layout, EQ_LO, EQ_HI, E_UNIT, E_MAX, SQ_LO, SQ_HI, S_UNIT,
-            S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR, EMAX_E, UNITS)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P_j V_j
+            s, m_i, l_i, qk_scale, offs_m, _key_tile(j + 1, n_tiles, REVERSE) * BLOCK_N,
+            diagonal, CAUSAL, BLOCK_M, BLOCK_N, s_layout, p_layout, EQ_LO, EQ_HI, E_UNIT,
+            E_MAX, SQ_LO, SQ_HI, S_UNIT, S_MAX, E_LO, E_HI, QBLOCK, RULE, ARITH, TENSOR,
+            EMAX_E, UNITS, PV_FP8, LIFT, LAZY, LAZY_LOG2, HW)
+        if PV_FP8:  # into the buffer P_{j-1} V_{j-1}, waited for, read
+            _stage_p(p_smem, (j + 1) % 2, p_op)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))  # P_j V_j
+        if PV_FP8:
+            acc = gl.fma(pv, tile_factor, acc)
+        else:
+            acc = pv
         if j + STAGES < n_tiles:  # V's slot refills
-            _issue(v_desc, v_ring, v_bars, k_row + (j + STAGES) * BLOCK_N, slot)
+            _issue_kv(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, k_row, kvh,
+                      _key_tile(j + STAGES, n_tiles, REVERSE), slot, BLOCK_N, HEAD_DIM,
+                      PV_FP8, 1)
     last = n_tiles - 1
-    acc, unit = _rescaled(acc, alpha, factor, unit, UNITS, o_rows)
+    if PV_FP8:
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    else:
+        acc, unit = _rescaled(acc, alpha, factor, unit, UNITS, o_rows)
     mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if PV_FP8:
+        pv = _pv(p_smem.index(last % 2), v_ring, last % STAGES, acc, zero_o, PV_FP8)
+    else:
+        pv = _pv(p_op, v_ring, last % STAGES, acc, zero_o, PV_FP8)
+    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+    if PV_FP8:
+        acc = gl.fma(pv, factor, acc)
+    else:
+        acc = pv
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
@@ -215,7 +369,7 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
     empty = l_i == 0.0
     if UNITS:
         acc = acc * unit
-    else:
+    elif not PV_FP8:
         acc = acc * ACC_FACTOR
     l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), o_rows)
     out = gl.where(gl.convert_layout(empty, o_rows)[:, None], 0.0, acc / l_o[:, None])
@@ -229,4 +383,3 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
     tma.store_wait(pendings=0)
-

@@ -1793,7 +1793,7 @@ def attention_forward(
     from fp4lab.kernels import gluon_fwd  # (imports this module)
 
     gap = gluon_fwd.unsupported(q, k, v, pq, block_m=block_m, block_n=block_n,
-                                num_warps=num_warps, out_dtype=out_dtype, extras=dict(
+                                num_warps=num_warps, out_dtype=out_dtype, scale=scale, extras=dict(
         trace=trace is not None, o_prime=o_prime is not None, m_ref=m_ref is not None,
         mean_scores=mean_scores is not None, leakage_block=leakage_block,
         lazy_log2=lazy_log2 is not None, row_sum_quantized=row_sum_quantized, reverse=reverse,
@@ -1801,7 +1801,8 @@ def attention_forward(
     ))  # fmt: skip
     if gap is None:  # the same numbers, its products overlapped (`fp4lab.kernels.gluon_fwd`)
         return gluon_fwd.attention_forward(q, k, v, (qf, kf, vf), pq, causal=causal,
-                                           scale=scale, lse_log2=lse_log2, o=o, lse=lse)
+                                           scale=scale, lse_log2=lse_log2, o=o, lse=lse,
+                                           lazy_log2=lazy_log2, reverse=reverse)
     if m_ref is not None and (m_ref.shape != (B, H, Sq, n_k) or not m_ref.is_contiguous()):
         raise ValueError(f"m_ref must be a contiguous {(B, H, Sq, n_k)} tensor, got "
                          f"{tuple(m_ref.shape)}")  # fmt: skip

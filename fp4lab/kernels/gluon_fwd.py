@@ -55,30 +55,54 @@ def _device_ready(index: int) -> str | None:
     return None
 
 
+# E4M3's grid as `PQuantizer.ELEM` holds it: the FP8 P V the kernel runs (`_fp8_p`)
+_E4M3_GRID = (0.015625, 512.0, 0.125, 448.0)
+# what each kind of P also takes of the forward's other arguments (`unsupported`'s extras)
+_FP8_EXTRAS = frozenset({"lazy_log2", "reverse"})
+
+
+def _fp8_p(pq: PQuantizer) -> bool:
+    """Whether P is cast to E4M3 (and so meets V on the FP8 tensor cores): MODE 1 on E4M3's
+    grid, rounded to nearest."""
+    return pq.MODE == 1 and not pq.SR and tuple(pq.ELEM) == _E4M3_GRID
+
+
 def unsupported(q, k, v, pq: PQuantizer, *, block_m: int, block_n: int, num_warps: int,
-                out_dtype, extras: dict) -> str | None:
+                out_dtype, extras: dict, scale: float = 1.0) -> str | None:
     """Why the Gluon forward does not take this call (None: it does), the call's own rules
-    first and the device last (so that they are testable without a GPU). `extras` holds the
-    forward's other arguments as `attention_forward` received them (each must be its
-    default: the trace, O', the saved references, smooth_q's scores, the leakage fix, a
-    lazy or fixed row reference, the quantized row sum, the reversed key order, stochastic
-    keys, a per-tile operand factor)."""
+    first and the device last (so that they are testable without a GPU). Two kinds of P:
+    a block format rounded to nearest whose products accumulate inside the dot (nvfp4,
+    mxfp4, ...), or P cast to E4M3 with V key-major E4M3 (`backend._key_major_fp8`), P V on
+    the FP8 tensor cores (fa3_fp8, fa4fp4_causal, fp8_per_tensor), which also takes a lazy
+    running maximum and the reversed key order, and needs a positive `scale` (its z in one
+    fma, `flash._z_in_one_fma`). `extras` holds the forward's other arguments as
+    `attention_forward` received them (each must be its default, except those the FP8 kind
+    takes: the trace, O', the saved references, smooth_q's scores, the leakage fix, a lazy
+    or fixed row reference, the quantized row sum, the reversed key order, stochastic keys,
+    a per-tile operand factor)."""
     if not enabled():
         return "FP4LAB_GLUON=0"
-    if pq.MODE != 2 or pq.SR:
-        return "P is not a block format rounded to nearest"
-    if not _accumulate_in_dot(pq, False, False).get("ACC_DOT"):
+    fp8 = _fp8_p(pq)
+    if fp8:
+        if v.dtype != torch.float8_e4m3fn or not v.transpose(-1, -2).is_contiguous():
+            return "P is E4M3 but V is not key-major E4M3 (P V on the FP8 tensor cores)"
+        if not scale > 0:
+            return f"scale {scale} (P's z in one fma needs it positive)"
+    elif pq.MODE != 2 or pq.SR:
+        return "P is not a block format rounded to nearest, nor E4M3 with E4M3 V"
+    elif not _accumulate_in_dot(pq, False, False).get("ACC_DOT"):
         return "P's products do not accumulate inside the dot"
-    busy = sorted(name for name, value in extras.items() if value)
+    busy = sorted(name for name, value in extras.items()
+                  if value and not (fp8 and name in _FP8_EXTRAS))
     if busy:
         return f"arguments the Gluon forward does not take: {', '.join(busy)}"
     if (block_m, block_n, num_warps) != (BLOCK, BLOCK, NUM_WARPS):
         return f"tiles {block_m} x {block_n} at {num_warps} warps (it runs 128 x 128 at 8)"
-    if any(x.dtype != torch.bfloat16 for x in (q, k, v)):
+    if any(x.dtype != torch.bfloat16 for x in (q, k, *(() if fp8 else (v,)))):
         return "q, k, v are not bf16"
     if out_dtype not in (None, q.dtype):
         return f"O in {out_dtype} (it writes q's dtype)"
-    if not all(x.is_contiguous() for x in (q, k, v)):
+    if not all(x.is_contiguous() for x in (q, k, *(() if fp8 else (v,)))):
         return "q, k, v are not contiguous"
     if any(x.data_ptr() % 16 for x in (q, k, v)):
         return "q, k, v do not start on 16 bytes (TMA's alignment)"
@@ -95,11 +119,15 @@ def unsupported(q, k, v, pq: PQuantizer, *, block_m: int, block_n: int, num_warp
 
 
 def attention_forward(q, k, v, factors, pq: PQuantizer, *, causal: bool, scale: float,
-                      lse_log2: bool, o=None, lse=None):
+                      lse_log2: bool, o=None, lse=None, lazy_log2: float | None = None,
+                      reverse: bool = False):
     """(O, lse) as `flash.attention_forward` returns them, for a call `unsupported` admits:
     O (B, H, S, D) in q's dtype, lse (B, H, S) fp32, natural units unless `lse_log2`, into
     `o` and `lse` where given (contiguous, as `flash.attention_forward` allocates them).
-    `factors`: Q's (B, H), K's and V's (B, Hkv) fp32 factors. Launched through
+    `factors`: Q's (B, H), K's and V's (B, Hkv) fp32 factors. With E4M3 P (V key-major
+    E4M3), `lazy_log2` (the lazy running maximum's threshold, None: the running maximum)
+    and `reverse` (key tiles last to first) as `flash.attention_forward` takes them. Launched
+    through
     `fp4lab.kernels.launch` (after the first call of a signature, the compiled kernel
     directly), its constants made once per configuration."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -112,29 +140,43 @@ def attention_forward(q, k, v, factors, pq: PQuantizer, *, causal: bool, scale: 
         o = torch.empty(B, H, S, D, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    layout = _shared_layout(D, q.dtype)
+    layout = _shared_layout((BLOCK, D), q.dtype)
+    rows = [x for x in (q, k, v, o) if x.dtype != torch.float8_e4m3fn]
     descs = [TensorDescriptor(x.view(-1, D), [x.numel() // D, D], [D, 1], [BLOCK, D], layout)
-             for x in (q, k, v, o)]
+             for x in rows]
+    fp8 = _fp8_p(pq)
+    if fp8:  # V key-major: (B Hkv D, S) rows, a tile V's D rows of one head over BLOCK keys
+        vt = v.transpose(-1, -2)
+        descs.insert(2, TensorDescriptor(vt.view(-1, S), [vt.numel() // S, S], [S, 1],
+                                         [D, BLOCK], _shared_layout((D, BLOCK), v.dtype)))
     qf, kf, vf = (f.to(torch.float32).contiguous() for f in factors)
-    constants, options, static = _constants(pq, bool(causal), bool(lse_log2), D)
+    constants, options, static = _constants(pq, bool(causal), bool(lse_log2), D,
+                                            None if lazy_log2 is None else float(lazy_log2),
+                                            bool(reverse) and fp8)
     launch(attn_fwd, (S // BLOCK, B * H), (*descs, lse, qf, kf, vf, scale * LOG2E, H, H // Hk,
                                           S), constants, options, static=static)
     return o, lse
 
 
 @functools.cache
-def _shared_layout(d: int, dtype: torch.dtype):
-    """The shared-memory layout of a (BLOCK, d) tile of `dtype`, for its TMA descriptors."""
+def _shared_layout(block: tuple[int, int], dtype: torch.dtype):
+    """The shared-memory layout of a `block` tile of `dtype`, for its TMA descriptors."""
     from triton.experimental.gluon import language as gl
 
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([BLOCK, d], element)
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+               torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
 @functools.lru_cache(maxsize=256)
-def _constants(pq: PQuantizer, causal: bool, lse_log2: bool, d: int):
-    """(constexprs, launch options, their `static_key`) of one configuration."""
-    accumulate = _accumulate_in_dot(pq, False, False)
+def _constants(pq: PQuantizer, causal: bool, lse_log2: bool, d: int,
+               lazy_log2: float | None = None, reverse: bool = False):
+    """(constexprs, launch options, their `static_key`) of one configuration. HW: P's E4M3
+    cast by the GPU's conversion, as `flash.HW_E4M3` decides for the Triton kernel."""
+    from fp4lab.kernels.flash import HW_E4M3
+
+    fp8 = _fp8_p(pq)
+    accumulate = {} if fp8 else _accumulate_in_dot(pq, False, False)
     constants = dict(
         BLOCK_M=BLOCK, BLOCK_N=BLOCK, HEAD_DIM=d, CAUSAL=causal, STAGES=STAGES,
         LSE_LOG2=lse_log2,
@@ -143,6 +185,8 @@ def _constants(pq: PQuantizer, causal: bool, lse_log2: bool, d: int):
         E_LO=pq.SCALE_POW2[0], E_HI=pq.SCALE_POW2[1], QBLOCK=pq.BLOCK, RULE=pq.RULE,
         ARITH=pq.ARITH, TENSOR=pq.TENSOR, EMAX_E=pq.EMAX_E,
         UNITS=accumulate.get("ACC_UNITS", False), ACC_FACTOR=accumulate.get("ACC_FACTOR", 1.0),
+        PV_FP8=fp8, LIFT=pq.LIFT, LAZY=lazy_log2 is not None, LAZY_LOG2=lazy_log2 or 0.0,
+        HW=bool(fp8 and HW_E4M3.value), REVERSE=reverse,
     )  # fmt: skip
     options = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
     return constants, options, static_key(constants, options)
