@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             with _gluon(True):
                 gap = gluon_fwd.unsupported(
                     ops["q"], ops["k"], ops["v"], pq, block_m=128, block_n=128, num_warps=8,
-                    out_dtype=None, scale=scale, extras={
+                    out_dtype=None, scale=scale, causal=causal, extras={
                         name: bool(options[name]) for name in ("lazy_log2", "reverse",
                                                                "row_sum_quantized")})
             t_triton, (o_t, lse_t) = _timed(kernel, False)

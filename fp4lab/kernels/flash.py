@@ -1793,7 +1793,8 @@ def attention_forward(
     from fp4lab.kernels import gluon_fwd  # (imports this module)
 
     gap = gluon_fwd.unsupported(q, k, v, pq, block_m=block_m, block_n=block_n,
-                                num_warps=num_warps, out_dtype=out_dtype, scale=scale, extras=dict(
+                                num_warps=num_warps, out_dtype=out_dtype, scale=scale,
+                                causal=bool(causal), extras=dict(
         trace=trace is not None, o_prime=o_prime is not None, m_ref=m_ref is not None,
         mean_scores=mean_scores is not None, leakage_block=leakage_block,
         lazy_log2=lazy_log2 is not None, row_sum_quantized=row_sum_quantized, reverse=reverse,

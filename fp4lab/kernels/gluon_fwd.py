@@ -68,18 +68,19 @@ def _fp8_p(pq: PQuantizer) -> bool:
 
 
 def unsupported(q, k, v, pq: PQuantizer, *, block_m: int, block_n: int, num_warps: int,
-                out_dtype, extras: dict, scale: float = 1.0) -> str | None:
+                out_dtype, extras: dict, scale: float = 1.0, causal: bool = False) -> str | None:
     """Why the Gluon forward does not take this call (None: it does), the call's own rules
     first and the device last (so that they are testable without a GPU). Two kinds of P:
     a block format rounded to nearest whose products accumulate inside the dot (nvfp4,
     mxfp4, ...), or P cast to E4M3 with V key-major E4M3 (`backend._key_major_fp8`), P V on
     the FP8 tensor cores (fa3_fp8, fa4fp4_causal, fp8_per_tensor), which also takes a lazy
-    running maximum and the reversed key order, and needs a positive `scale` (its z in one
-    fma, `flash._z_in_one_fma`). `extras` holds the forward's other arguments as
-    `attention_forward` received them (each must be its default, except those the FP8 kind
-    takes: the trace, O', the saved references, smooth_q's scores, the leakage fix, a lazy
-    or fixed row reference, the quantized row sum, the reversed key order, stochastic keys,
-    a per-tile operand factor)."""
+    running maximum and the reversed key order, needs a positive `scale` (its z in one fma,
+    `flash._z_in_one_fma`) and is not `causal` (on the H200 it ran no faster than the Triton
+    kernel there, and slower for fa3_fp8: benchmarks/RESULTS.md, "Session 29"). `extras`
+    holds the forward's other arguments as `attention_forward` received them (each must be
+    its default, except those the FP8 kind takes: the trace, O', the saved references,
+    smooth_q's scores, the leakage fix, a lazy or fixed row reference, the quantized row
+    sum, the reversed key order, stochastic keys, a per-tile operand factor)."""
     if not enabled():
         return "FP4LAB_GLUON=0"
     fp8 = _fp8_p(pq)
@@ -88,6 +89,8 @@ def unsupported(q, k, v, pq: PQuantizer, *, block_m: int, block_n: int, num_warp
             return "P is E4M3 but V is not key-major E4M3 (P V on the FP8 tensor cores)"
         if not scale > 0:
             return f"scale {scale} (P's z in one fma needs it positive)"
+        if causal:  # measured on the H200 (benchmarks/RESULTS.md, "Session 29"): no faster
+            return "causal with E4M3 P (the Triton kernel is as fast: 0.84x against 0.78x-0.84x)"
     elif pq.MODE != 2 or pq.SR:
         return "P is not a block format rounded to nearest, nor E4M3 with E4M3 V"
     elif not _accumulate_in_dot(pq, False, False).get("ACC_DOT"):
