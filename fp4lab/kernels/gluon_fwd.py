@@ -1,12 +1,13 @@
-"""The forward of block-format P recipes on Hopper, with its products overlapped (Gluon).
+"""The forward of block-format P and FP8 P/V recipes on Hopper, its products overlapped (Gluon).
 
 What. `fp4lab.kernels.flash.attention_forward` runs this kernel in place of its Triton one
-where `unsupported` returns None: an H200 (sm_90) with Triton's Gluon, P a block format
-rounded to nearest that the Triton kernel accumulates inside its product (`nvfp4` and its
-per-tile tensor scale, `mxfp4`: `flash._accumulate_in_dot`), no instrumentation and none of
-the mechanisms the plain running-maximum forward does not have, bf16 Q, K and V contiguous as
-(B, H, S, D) with D = 128, one sequence length S for queries and keys, a multiple of the
-128 x 128 tiles, GQA allowed. The arithmetic is the Triton kernel's, step for step
+where `unsupported` returns None: an H200 (sm_90) with Triton's Gluon, and P either a block
+format rounded to nearest that the Triton kernel accumulates inside its product (`nvfp4`,
+`mxfp4`: `flash._accumulate_in_dot`), or P cast to E4M3 with V key-major E4M3 on the FP8
+tensor cores (`fa4fp4_causal`, `fa3_fp8`, `fp8_per_tensor`; not causal, where it measured no
+faster); no instrumentation and none of the mechanisms the kernel does not have, bf16 Q and K
+contiguous as (B, H, S, D) with D = 128, one sequence length S, a multiple of the 128 x 128
+tiles, GQA allowed. The arithmetic is the Triton kernel's, step for step
 (`fp4lab.kernels._gluon_fwd_kernel`); on the H200 the two give the same O and log-sum-exp bit
 for bit (tests/kernels/test_gluon_fwd.py, GPU only). `FP4LAB_GLUON=0` turns it off.
 
