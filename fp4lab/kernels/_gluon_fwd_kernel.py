@@ -199,6 +199,29 @@ def _stage_p(p_smem, buf, p8):
 
 
 @gluon.jit
+def _p_operand(p_op, p_smem, buf, PV_FP8: gl.constexpr):
+    """P^ as its product reads it: with PV_FP8 its shared buffer `buf`, else the register
+    operand p_op."""
+    if PV_FP8:
+        operand = p_smem.index(buf)
+    else:
+        operand = p_op
+    return operand
+
+
+@gluon.jit
+def _folded(pv, factor, acc, PV_FP8: gl.constexpr):
+    """acc after a tile's waited P^ V^: with PV_FP8 acc (already times alpha) plus the tile's
+    product times its factor in one fma (`flash._fwd_inner`'s FOLD), else the product itself,
+    which accumulated inside the dot."""
+    if PV_FP8:
+        acc = gl.fma(pv, factor, acc)
+    else:
+        acc = pv
+    return acc
+
+
+@gluon.jit
 def _pv(p_op, v_ring, slot, acc, zero_o, PV_FP8: gl.constexpr):
     """Issue P^ V^ of the V tile in ring slot `slot`: with PV_FP8 on the FP8 tensor cores,
     p_op P^'s shared buffer, from zero (each tile's product is added to acc in fp32 after,
@@ -274,6 +297,8 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
         p_smem = gl.allocate_shared_memory(
             gl.float8e4nv, [2, BLOCK_M, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv))
+    else:
+        p_smem = q_smem  # (unused: P^ is the register operand)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -319,15 +344,10 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
             _issue_kv(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, k_row, kvh,
                       _key_tile(j + STAGES, n_tiles, REVERSE), slot, BLOCK_N, HEAD_DIM,
                       PV_FP8, 0)
-        if PV_FP8:  # acc alpha now, rounded as `flash._fwd_inner`'s fma takes it
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        else:
-            acc, unit = _rescaled(acc, alpha, factor, unit, UNITS, o_rows)
+        # (with PV_FP8 acc alpha, rounded as `flash._fwd_inner`'s fma takes it)
+        acc, unit = _rescaled(acc, alpha, factor, unit, UNITS, o_rows)
         mbarrier.wait(v_bars.index(slot), (j // STAGES) & 1)
-        if PV_FP8:
-            pv = _pv(p_smem.index(j % 2), v_ring, slot, acc, zero_o, PV_FP8)
-        else:
-            pv = _pv(p_op, v_ring, slot, acc, zero_o, PV_FP8)
+        pv = _pv(_p_operand(p_op, p_smem, j % 2, PV_FP8), v_ring, slot, acc, zero_o, PV_FP8)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_{j+1}; P_j V_j runs on
         tile_factor = factor
         p_op, alpha, m_i, l_i, factor = _tile(
@@ -338,29 +358,18 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, LSE, QF, KF, VF, qk_scale, H, G, S,
         if PV_FP8:  # into the buffer P_{j-1} V_{j-1}, waited for, read
             _stage_p(p_smem, (j + 1) % 2, p_op)
         pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))  # P_j V_j
-        if PV_FP8:
-            acc = gl.fma(pv, tile_factor, acc)
-        else:
-            acc = pv
+        acc = _folded(pv, tile_factor, acc, PV_FP8)
         if j + STAGES < n_tiles:  # V's slot refills
             _issue_kv(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, k_row, kvh,
                       _key_tile(j + STAGES, n_tiles, REVERSE), slot, BLOCK_N, HEAD_DIM,
                       PV_FP8, 1)
     last = n_tiles - 1
-    if PV_FP8:
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-    else:
-        acc, unit = _rescaled(acc, alpha, factor, unit, UNITS, o_rows)
+    acc, unit = _rescaled(acc, alpha, factor, unit, UNITS, o_rows)
     mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-    if PV_FP8:
-        pv = _pv(p_smem.index(last % 2), v_ring, last % STAGES, acc, zero_o, PV_FP8)
-    else:
-        pv = _pv(p_op, v_ring, last % STAGES, acc, zero_o, PV_FP8)
+    pv = _pv(_p_operand(p_op, p_smem, last % 2, PV_FP8), v_ring, last % STAGES, acc, zero_o,
+             PV_FP8)
     pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-    if PV_FP8:
-        acc = gl.fma(pv, factor, acc)
-    else:
-        acc = pv
+    acc = _folded(pv, factor, acc, PV_FP8)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
