@@ -14,13 +14,14 @@ vectorised widening product does the rounds and the words are interleaved in reg
 about 0.5 ms.
 
 How. The C source below is compiled once per machine with the C++ compiler inductor uses
-(``-O3 -march=native -fopenmp``), into a cache directory keyed by the source, the flags and
-the compiler (``FP4LAB_NATIVE_CACHE``, default a per-user folder of the temp directory),
-and loaded with ctypes; it runs on `torch.get_num_threads()` OpenMP threads. Unsigned 32-bit
-arithmetic wraps by definition in C, so the words are Philox's exactly; the only float
-operations are the conversion of an integer of at most 24 significant bits to float32 and the
-scaling by 2^-32, both exact. Any failure to build or load turns it off for the process;
-``FP4LAB_NATIVE_PHILOX=0`` turns it off too.
+(``-O3 -march=native -fopenmp``), into a cache directory keyed by the source, the flags, the
+compiler and this CPU's model and feature flags (a library built for another CPU's
+instructions is never loaded; ``FP4LAB_NATIVE_CACHE``, default a per-user folder of the temp
+directory), and loaded with ctypes; it runs on `torch.get_num_threads()` OpenMP threads.
+Unsigned 32-bit arithmetic wraps by definition in C, so the words are Philox's exactly; the
+only float operations are the conversion of an integer of at most 24 significant bits to
+float32 and the scaling by 2^-32, both exact. Any failure to build or load turns it off for
+the process; ``FP4LAB_NATIVE_PHILOX=0`` turns it off too.
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ def grid_uniforms(c0, c1, c2, c3, k0: int, k1: int) -> torch.Tensor | None:
     (k0, k1); None where the C function cannot be built or loaded."""
     if not enabled():
         return None
+    if not all(c.dtype == torch.int64 and c.device.type == "cpu" and c.is_contiguous()
+               for c in (c0, c1, c2, c3)):
+        return None  # the C function reads raw contiguous int64 memory
     try:
         function = _function()
     except Exception:  # no compiler, a failed build, ...: the caller's path from now on
@@ -119,7 +123,7 @@ def _function():
     """The loaded C function, built into the cache at the first call."""
     if _state["function"] is None:
         compiler = _compiler()
-        key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS]).encode()).hexdigest()
+        key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, _cpu()]).encode()).hexdigest()
         folder = os.environ.get("FP4LAB_NATIVE_CACHE") or os.path.join(
             tempfile.gettempdir(), f"fp4lab_native_{os.getuid()}"
         )
@@ -130,6 +134,24 @@ def _function():
         function.restype = None
         _state["function"] = function
     return _state["function"]
+
+
+def _cpu() -> str:
+    """This CPU's architecture, model name and feature flags (what -march=native compiles
+    for), as /proc/cpuinfo lists them where it exists."""
+    import platform
+
+    lines = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    lines.append(line.strip())
+                if line.strip() == "":  # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    return "\n".join(lines)
 
 
 def _compiler() -> str:
