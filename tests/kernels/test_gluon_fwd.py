@@ -34,9 +34,10 @@ def _tensors(b=1, h=2, hk=2, s=256, d=128, device="cpu", dtype=torch.bfloat16):
     return q, kv, kv.clone()
 
 
-def _gap(q, k, v, pq, block=(128, 128, 8), out_dtype=None, **extras):
+def _gap(q, k, v, pq, block=(128, 128, 8), out_dtype=None, scale=1.0, causal=False, **extras):
     return gluon_fwd.unsupported(q, k, v, pq, block_m=block[0], block_n=block[1],
-                                 num_warps=block[2], out_dtype=out_dtype, extras=extras)
+                                 num_warps=block[2], out_dtype=out_dtype, extras=extras,
+                                 scale=scale, causal=causal)
 
 
 NVFP4 = backend.p_quantizer(resolve_recipe("nvfp4"))
@@ -90,12 +91,8 @@ def test_an_fp8_call_with_its_lazy_maximum_or_reversed_keys_reaches_the_device_c
 def test_an_fp8_call_names_row_major_v_and_a_scale_that_is_not_positive():
     q, k, v = _fp8_tensors()
     assert "not key-major" in _gap(q, k, v.contiguous(), FP8)
-    got = gluon_fwd.unsupported(q, k, v, FP8, block_m=128, block_n=128, num_warps=8,
-                                out_dtype=None, extras={}, scale=0.0)
-    assert "scale 0.0" in got
-    got = gluon_fwd.unsupported(q, k, v, FP8, block_m=128, block_n=128, num_warps=8,
-                                out_dtype=None, extras={}, scale=1.0, causal=True)
-    assert "causal with E4M3 P" in got
+    assert "scale 0.0" in _gap(q, k, v, FP8, scale=0.0)
+    assert "causal with E4M3 P" in _gap(q, k, v, FP8, causal=True)
     assert "not bf16" in _gap(q.half(), k, v, FP8)
 
 
